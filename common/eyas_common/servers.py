@@ -1,0 +1,162 @@
+"""Start and stop a real vLLM OpenAI-compatible server (CPU build in its own venv, or any python
+that has vLLM), for tests, the demo and the serve stage."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def default_vllm_python() -> Path:
+    """The interpreter that has vLLM: `EYAS_VLLM_PYTHON`, else the repo's `.venv-vllm` (`make vllm`)."""
+    return Path(os.environ.get("EYAS_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+@dataclass
+class VllmServer:
+    url: str  # http://127.0.0.1:PORT, without /v1
+    port: int
+    proc: subprocess.Popen
+    log_path: Path
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+
+def free_port() -> int:
+    # Another process may take it before vLLM binds; good enough for a single test machine.
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def log_tail(path: Path, lines: int = 40) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except FileNotFoundError:
+        return "(no log)"
+
+
+def start_vllm(
+    model: Path,
+    *,
+    log_path: Path,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
+    env: dict[str, str] | None = None,
+    python: Path | None = None,
+) -> VllmServer:
+    """Launch `vllm.entrypoints.openai.api_server` on 127.0.0.1 in its own process group.
+
+    Defaults suit the CPU build: fp32 (much faster than bf16 there), a 1024-token context and 1 GiB
+    of KV cache. `extra_args` come last, so a repeated flag there overrides a default.
+    """
+    python = Path(python) if python else default_vllm_python()
+    if not python.exists():
+        raise FileNotFoundError(f"no vLLM interpreter at {python}: run `make vllm` (or set EYAS_VLLM_PYTHON)")
+    port = port or free_port()
+    cmd = [
+        str(python), "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model),
+        "--host", "127.0.0.1",
+        "--port", str(port),
+        "--max-model-len", "1024",
+        "--dtype", "float32",
+        *extra_args,
+    ]
+    full_env = {
+        **os.environ,
+        "VLLM_CPU_KVCACHE_SPACE": "1",
+        "VLLM_CACHE_ROOT": str(REPO_ROOT / ".cache" / "vllm"),
+        # Models are local folders: never wait on (or report to) the network.
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+        **(env or {}),
+    }
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env, start_new_session=True
+        )
+    return VllmServer(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+
+
+def wait_healthy(server: VllmServer, timeout_s: float = 300) -> None:
+    """Poll GET /health until 200; raise with the log's tail if the process dies or time runs out."""
+    deadline = time.monotonic() + timeout_s
+    with httpx.Client(timeout=5) as client:
+        while True:
+            code = server.proc.poll()
+            if code is not None:
+                raise RuntimeError(
+                    f"vLLM exited with code {code} before becoming healthy; last lines of {server.log_path}:\n"
+                    + log_tail(server.log_path)
+                )
+            try:
+                if client.get(f"{server.url}/health").status_code == 200:
+                    return
+            except httpx.TransportError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(
+                    f"vLLM not healthy after {timeout_s:.0f}s; last lines of {server.log_path}:\n"
+                    + log_tail(server.log_path)
+                )
+            time.sleep(1)
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except ProcessLookupError:
+        return False
+
+
+def stop(server: VllmServer, timeout_s: float = 30) -> None:
+    """SIGTERM the server's process group, SIGKILL whatever is left of it after `timeout_s`.
+
+    The whole group, because vLLM forks an engine-core process that can outlive the API server.
+    """
+    pgid = server.proc.pid  # start_new_session made the server its group's leader
+    if _group_alive(pgid):
+        os.killpg(pgid, signal.SIGTERM)
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        server.proc.poll()  # reap the leader, or it stays a zombie and keeps the group alive
+        if not _group_alive(pgid):
+            break
+        time.sleep(0.2)
+    else:
+        try:
+            os.killpg(pgid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    server.proc.wait()
+
+
+@contextmanager
+def running_vllm(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs) -> Iterator[VllmServer]:
+    """A healthy vLLM server for the duration of the block (see `start_vllm` for kwargs)."""
+    server = start_vllm(model, log_path=log_path, **kwargs)
+    try:
+        wait_healthy(server, timeout_s)
+        yield server
+    finally:
+        stop(server)

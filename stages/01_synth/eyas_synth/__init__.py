@@ -1,0 +1,1 @@
+"""eyas_synth: stage 01, prompts -> served target -> token-exact samples."""

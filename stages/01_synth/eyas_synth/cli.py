@@ -1,0 +1,59 @@
+"""eyas-synth: the click CLI, a thin layer over eyas_synth.run.run and eyas_synth.validate.validate."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from eyas_synth.run import run as run_synth
+from eyas_synth.validate import validate as validate_synth
+
+PATH = click.Path(path_type=Path)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+def main() -> None:
+    """Stage 01: prompts -> served target (vLLM / SGLang) -> token-exact samples in $EYAS_DATA/synth/NAME."""
+
+
+@main.command()
+@click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
+              help="JSONL of OpenAI `messages` or ShareGPT `conversations` (.jsonl), else plain text, one prompt per line.")
+@click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/synth/NAME (resumes it if present).")
+@click.option("--model", type=PATH, required=True, help="Local path of the target (its tokenizer checks and renders the token ids).")
+@click.option("--server", "servers", multiple=True, required=True,
+              help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000; repeat for several.")
+@click.option("--n", type=int, default=None, help="Samples to make; sample i answers prompt i mod #prompts.  [default: #prompts]")
+@click.option("--max-tokens", default=4096, help="Completion budget per sample, tokens.")
+@click.option("--temperature", default=0.6, help="Sampling temperature, sent explicitly (servers otherwise use generation_config).")
+@click.option("--top-p", default=0.95, help="Nucleus sampling p.")
+@click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch (chat_template_kwargs).")
+@click.option("--seed", default=0, help="Per-request seed = seed * 1000003 + sample id.")
+@click.option("--drop-truncated/--keep-truncated", default=False,
+              help="Length-truncated answers go to truncated.jsonl (drop) or stay in samples.jsonl (keep); counted either way.")
+@click.option("--concurrency", default=128, help="Requests in flight, all servers together.")
+@click.option("--timeout", "timeout_s", default=600.0, help="Per-request timeout, seconds.")
+@click.option("--max-attempts", default=8, help="Tries per request (backoff with jitter) before it is recorded as failed.")
+@click.option("--served-model", default=None, help="Model name to request.  [default: the server's first /v1/models entry]")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run(quiet: bool, **kwargs) -> None:
+    """Ask the served target to answer each prompt; store the exact token stream of each answer."""
+    run_synth(progress=not quiet, **kwargs)
+
+
+@main.command()
+@click.argument("name")
+@click.option("--model", type=PATH, default=None, help="Target tokenizer path.  [default: the dataset's target]")
+@click.option("--show", default=20, help="Samples to list in the report (all are counted).")
+def validate(name: str, model: Path | None, show: int) -> None:
+    """Check every sample of synth dataset NAME; exit 1 with a per-sample report if any is unsound."""
+    report = validate_synth(name, model=model)
+    bad = report["bad"]
+    for sid, problems in bad[:show]:
+        click.echo(f"sample {sid}: " + "; ".join(problems), err=True)
+    if len(bad) > show:
+        click.echo(f"... and {len(bad) - show} more", err=True)
+    click.echo(f"{name}: {report['samples']} samples, {len(bad)} unsound, status {report['status']}")
+    if bad:
+        raise SystemExit(1)

@@ -1,0 +1,62 @@
+"""Prompt files: JSONL of OpenAI `messages` or ShareGPT `conversations`, or plain text (one per line)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from eyas_common.contract import DatasetError
+
+SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
+                  "system": "system", "chatgpt": "assistant", "bing": "assistant"}
+
+
+def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
+    if isinstance(rec, dict) and isinstance(rec.get("messages"), list):
+        msgs = rec["messages"]
+        if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
+                   for m in msgs):
+            raise DatasetError(f"{where}: every entry of `messages` needs string `role` and `content`")
+        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+    elif isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
+        msgs = []
+        for turn in rec["conversations"]:
+            role = SHAREGPT_ROLES.get(str(turn.get("from", "")).lower()) if isinstance(turn, dict) else None
+            if role is None or not isinstance(turn.get("value"), str):
+                raise DatasetError(f"{where}: ShareGPT turn {turn!r:.80} needs `from` "
+                                   f"({'/'.join(SHAREGPT_ROLES)}) and a string `value`")
+            msgs.append({"role": role, "content": turn["value"]})
+    else:
+        raise DatasetError(f"{where}: expected an object with `messages` (OpenAI) or `conversations` (ShareGPT)")
+    # The target answers the last user turn itself: a recorded answer after it is dropped.
+    while msgs and msgs[-1]["role"] == "assistant":
+        msgs.pop()
+    if not msgs or msgs[-1]["role"] != "user":
+        raise DatasetError(f"{where}: the conversation has no user turn to answer")
+    return msgs
+
+
+def load_prompts(path: Path) -> list[list[dict[str, str]]]:
+    """Conversations ending with a user turn; a malformed record raises naming file and line."""
+    path = Path(path)
+    if not path.is_file():
+        raise DatasetError(f"prompts file {path} does not exist")
+    out = []
+    with open(path, encoding="utf-8") as f:
+        jsonl = path.suffix in (".jsonl", ".json")
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            if jsonl:
+                try:
+                    rec = json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
+                out.append(_from_record(rec, where))
+            else:
+                out.append([{"role": "user", "content": line.rstrip("\n")}])
+    if not out:
+        raise DatasetError(f"prompts file {path} holds no prompts")
+    return out

@@ -1,0 +1,72 @@
+"""eyas-extract: the click CLI, a thin layer over eyas_extract.run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import click
+
+from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS
+from eyas_extract.run import finalize_dataset
+from eyas_extract.run import run as run_extract
+
+
+def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
+    if not value:
+        return None
+    try:
+        return [int(x) for x in value.replace(" ", "").split(",")]
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+def main() -> None:
+    """Stage 02: synth samples -> the target's EAGLE-3 hidden states in $EYAS_DATA/hidden/NAME."""
+
+
+@main.command()
+@click.option("--synth", required=True, help="Input synth dataset, synth/NAME (must be complete).")
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
+              help="Local path of the target the synth dataset was made with (same tokenizer and chat template).")
+@click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/hidden/NAME (resumes it if present).")
+@click.option("--backend", type=click.Choice(BACKENDS), default="hf",
+              help="hf: transformers + forward hooks (any model, CPU too); vllm: vLLM's extract_hidden_states (needs vLLM in this Python).")
+@click.option("--layers", callback=_layers, default=None,
+              help="Aux layer ids, comma-separated: id k = HF hidden_states[k], the residual stream entering layer k.  [default: 2,L//2,L-3]")
+@click.option("--teacher", type=click.Choice(TEACHERS), default="final",
+              help="final: store the final normed hidden state (H values/token); topk: store the target's top-K log-probs.")
+@click.option("--topk", default=8, help="K for --teacher topk: log-probs (float32) and ids (int32) per token.")
+@click.option("--aux-dtype", type=click.Choice(AUX_DTYPES), default="bf16",
+              help="Stored aux dtype; fp8 = float8_e4m3fn + one float32 scale per token and layer. fp32 also stores final in fp32.")
+@click.option("--shard", default="0/1", help="I/N: this host does shards j with j mod N == I (torchrun ranks split it further).")
+@click.option("--shard-samples", default=2048, help="At most this many samples per shard (the unit of resume).")
+@click.option("--shard-mb", default=2048, help="At most this many MiB per shard (sets the shard's token budget).")
+@click.option("--batch-tokens", default=16384,
+              help="Padded tokens per forward (batch size x longest sample); fixed for a dataset, like the shard options.")
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
+              help="Compute dtype of the target; auto: bf16 on GPU, fp32 on CPU.")
+@click.option("--device", default="auto", help="hf backend: cpu, cuda, cuda:1, ...; auto: cuda if present (cuda:LOCAL_RANK under torchrun).")
+@click.option("--attn", type=click.Choice(["auto", "flash_attention_2", "sdpa", "eager"]), default="auto",
+              help="hf backend attention; auto: flash_attention_2 when flash-attn is installed on GPU, else sdpa.")
+@click.option("--device-map", default=None, help="hf backend: transformers device_map (e.g. auto) for a target larger than one GPU.")
+@click.option("--trust-remote-code", is_flag=True, help="Run modelling/tokenizer code shipped with the target (explicit opt-in).")
+@click.option("--quiet", is_flag=True, help="No progress bar.")
+def run(quiet: bool, **kwargs) -> None:
+    """Run the target over every sample; store aux states and the teacher signal in safetensors shards.
+
+    Prints the disk bill first and refuses when the volume cannot hold it. Rerun the same command to
+    resume: finished shards are kept, a killed shard is redone.
+    """
+    run_extract(progress=not quiet, **kwargs)
+
+
+@main.command("finalize")
+@click.argument("name")
+def finalize_cmd(name: str) -> None:
+    """Mark hidden/NAME complete once every --shard part has written its shards (merges their stats)."""
+    finalize_dataset(name)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The hf backend: the target in transformers, one padded forward per batch, states taken by hooks.
+
+Exact and general: it runs any model transformers loads, on CPU too. Batches are right-padded and
+run without an attention mask: attention is causal, so a real token never sees the padding after
+it, and the (garbage) padded rows are dropped before anything is stored. That keeps sdpa on its
+causal fast path and flash-attn on its plain one. The decoder stack is called directly (not the
+CausalLM), so the [tokens, vocab] logits are computed only where the top-K teacher needs them.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from collections.abc import Iterator
+
+import torch
+
+from eyas_extract.capture import Capture, encode, find_parts
+from eyas_extract.config import ExtractConfig
+
+DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> str:
+    """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and buy nothing."""
+    if dtype == "auto":
+        return "bfloat16" if device.type == "cuda" else "float32"
+    return {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+
+
+def pick_attn(attn: str, device: torch.device) -> str:
+    if attn != "auto":
+        return attn
+    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+        return "flash_attention_2"
+    return "sdpa"
+
+
+def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
+    from transformers import AutoModelForCausalLM
+
+    kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    if cfg.device_map:
+        kwargs["device_map"] = cfg.device_map
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=cfg.attn, **kwargs)
+    except (ValueError, ImportError) as e:
+        # Remote-code models often support neither flash-attn nor sdpa through transformers.
+        if cfg.attn == "eager":
+            raise
+        print(f"[extract] attention {cfg.attn} unavailable for this model ({e}); using eager", file=sys.stderr)
+        cfg.attn = "eager"
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation="eager", **kwargs)
+    if not cfg.device_map:
+        model.to(device)
+    return model.eval().requires_grad_(False)
+
+
+class HFBackend:
+    def __init__(self, cfg: ExtractConfig, device: torch.device):
+        self.cfg = cfg
+        self.model = load_target(cfg, device)
+        self.parts = find_parts(self.model, cfg.num_layers, cfg.hidden_size)
+        self.device = self.parts.base.get_input_embeddings().weight.device
+        with torch.inference_mode():  # the first forward pays one-time kernel and allocator set-up
+            self.parts.base(input_ids=torch.zeros(1, 8, dtype=torch.long, device=self.device), use_cache=False)
+
+    def extract(self, tokens: list[list[int]], batches: list[list[int]]
+                ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
+        """Per batch: its sample indices, and their stored rows concatenated in that order."""
+        with Capture(self.parts, self.cfg.layers) as cap, torch.inference_mode():
+            for batch in batches:
+                ids, index = pad_batch([tokens[k] for k in batch])
+                self.parts.base(input_ids=ids.to(self.device, non_blocking=True), use_cache=False)
+                aux, final = cap.rows(index)
+                yield batch, encode(self.cfg, aux, final, lm_head=self.parts.lm_head)
+
+    def close(self) -> None:
+        del self.model
+
+
+def pad_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Right-padded ids [B, longest] and the flat positions of the real tokens, sample after sample."""
+    width = max(len(s) for s in seqs)
+    ids = torch.zeros(len(seqs), width, dtype=torch.long)
+    for b, s in enumerate(seqs):
+        ids[b, : len(s)] = torch.tensor(s)
+    index = torch.cat([torch.arange(len(s)) + b * width for b, s in enumerate(seqs)])
+    return ids, index

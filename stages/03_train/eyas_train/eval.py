@@ -1,0 +1,126 @@
+"""`eyas-train eval`: offline chain speculative decoding with the real target (HF) and an exported draft.
+
+It replays what vLLM does for EAGLE-3 with greedy verification, so its acceptance is the acceptance
+vLLM reports for the same draft, target and prompts (up to float rounding):
+  1. prefill: the target reads the prompt, greedy-samples the first token;
+  2. propose: the draft's first pass reads positions 0..t (token x_{p+1}, fc(aux_p)) and proposes
+     x_{t+2} at the last position t; k-1 further steps each feed the proposed token and the previous
+     step's pre-norm output at position t+j, attending to the first pass's keys and the chain's own;
+  3. verify: the target reads the last token and the k proposals; the longest prefix where proposal i
+     equals the target's greedy token is accepted, and the target's next greedy token is appended;
+  4. repeat until the end-of-turn token or max_tokens.
+Counted as vLLM counts them (v1/core/sched/scheduler.py): every verification is one draft of k tokens,
+accepted = tokens of that draft accepted, acceptance length = 1 + accepted / drafts.
+The target is rerun over the whole sequence at each verification (no KV cache): simple and exact,
+quadratic in length, meant for held-out sets of tens of prompts.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
+from eyas_common.contract import check_target, open_input, write_json_atomic
+from eyas_train.export import load_draft
+from eyas_train.model import Eagle3Draft
+from eyas_train.ttt import ChainAttention
+
+
+def load_prompt_file(path: Path) -> list[list[dict[str, Any]]]:
+    """JSONL of OpenAI `{"messages": [...]}` (the fixture's and synth's prompt format), or plain text lines."""
+    out = []
+    for line in Path(path).read_text().splitlines():
+        if not line.strip():
+            continue
+        if line.lstrip().startswith("{"):
+            out.append(json.loads(line)["messages"])
+        else:
+            out.append([{"role": "user", "content": line.strip()}])
+    return out
+
+
+@torch.no_grad()
+def propose(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
+    """k chain proposals after `ids` [n] (target ids), given the target's aux states [n-1, 3H] of ids[:-1]."""
+    t = ids.numel() - 2  # the root: the last position whose target states are known
+    attend = ChainAttention()
+    positions = torch.arange(t + 1)[None]
+    out = draft.step(ids[None, 1:], draft.fuse(aux[None]), positions, attend)[:, -1:]
+    token = draft.to_target_ids(draft.logits(out).argmax(-1))
+    chain = [int(token)]
+    for j in range(1, k):
+        out = draft.step(token, out, positions[:, -1:] + j, attend)
+        token = draft.to_target_ids(draft.logits(out).argmax(-1))
+        chain.append(int(token))
+    return chain
+
+
+@torch.no_grad()
+def _target(model: Any, ids: list[int], aux_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Greedy next token at every position [n], and the aux states [n, 3H]."""
+    out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
+    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1).float()
+    return out.logits[0].argmax(-1), aux
+
+
+def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[int], eot: int, k: int,
+              max_tokens: int) -> tuple[list[int], list[int]]:
+    """Generate one answer; returns its tokens and the accepted count of every draft."""
+    greedy, aux = _target(model, prompt, aux_ids)
+    ids = prompt + [int(greedy[-1])]
+    accepted: list[int] = []
+    while ids[-1] != eot and len(ids) - len(prompt) < max_tokens:
+        n = len(ids)
+        drafts = propose(draft, torch.tensor(ids), aux[: n - 1], k)
+        greedy, aux = _target(model, ids + drafts, aux_ids)
+        verified = greedy[n - 1:].tolist()  # the target's choice after ids, then after each proposal
+        a = 0
+        while a < k and drafts[a] == verified[a]:
+            a += 1
+        accepted.append(a)
+        new = drafts[:a] + [verified[a]]
+        if eot in new:  # tokens past the end of turn are accepted (and counted) but not kept
+            new = new[: new.index(eot) + 1]
+        ids += new[: max_tokens - (len(ids) - len(prompt))]
+    return ids[len(prompt):], accepted
+
+
+def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int = 3, max_tokens: int = 256,
+             thinking: bool = True, limit: int | None = None, out: Path | None = None,
+             data_root: Path | None = None) -> dict[str, Any]:
+    """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL (fp32, CPU or GPU)."""
+    from transformers import AutoModelForCausalLM
+
+    t0 = time.monotonic()
+    ds, manifest = open_input(draft, "drafts", root=data_root)
+    tok = load_tokenizer(model)
+    check_target(ds, manifest, target_fingerprint(tok, model))
+    module, aux_ids = load_draft(ds.path, model)
+    target = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    conversations = load_prompt_file(prompts)[:limit]
+    eot = ChatTokens.of(tok).end_of_turn
+    counts: list[int] = []
+    generated = 0
+    for messages in tqdm(conversations, desc="eval", unit="prompt"):
+        tokens, accepted = speculate(target, module, aux_ids, render_prompt(tok, messages, thinking), eot,
+                                     spec_tokens, max_tokens)
+        counts += accepted
+        generated += len(tokens)
+    drafts, acc = len(counts), sum(counts)
+    result = {
+        "draft": ds.ref, "model": str(model), "prompts": len(conversations), "spec_tokens": spec_tokens,
+        "max_tokens": max_tokens, "drafts": drafts, "draft_tokens": drafts * spec_tokens, "accepted": acc,
+        "acceptance_length": 1 + acc / drafts if drafts else None,
+        # share of drafts whose position i was accepted (vLLM: accepted_per_pos[i] / drafts)
+        "per_position": [sum(c > i for c in counts) / drafts if drafts else None for i in range(spec_tokens)],
+        "generated_tokens": generated, "wall_s": round(time.monotonic() - t0, 1),
+    }
+    if out is not None:
+        write_json_atomic(Path(out), result)
+    return result

@@ -1,0 +1,109 @@
+"""Process groups and data-parallel wrapping: torchrun (DDP or FSDP2; NCCL on GPU, gloo on CPU), or one
+plain process when torchrun did not start us."""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
+                                                     get_optimizer_state_dict, set_model_state_dict,
+                                                     set_optimizer_state_dict)
+
+
+@dataclass(frozen=True)
+class Dist:
+    rank: int
+    world: int
+    device: torch.device
+
+    @property
+    def main(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def distributed(self) -> bool:
+        return self.world > 1
+
+
+def init() -> Dist:
+    """Join torchrun's process group when its environment is set; otherwise a single process."""
+    cuda = torch.cuda.is_available()
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return Dist(0, 1, torch.device("cuda" if cuda else "cpu"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    if cuda:
+        torch.cuda.set_device(local)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if cuda else "gloo")
+    return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu"))
+
+
+def shutdown(d: Dist) -> None:
+    if d.distributed and dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
+    if d.distributed:
+        dist.all_reduce(x, op=dist.ReduceOp.SUM)
+    return x
+
+
+def barrier(d: Dist) -> None:
+    if d.distributed:
+        dist.barrier()
+
+
+def broadcast_object(obj: Any, d: Dist) -> Any:
+    if not d.distributed:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def wrap(module: nn.Module, d: Dist, mode: str) -> nn.Module:
+    """DDP or FSDP2 around the unrolled-loss module (one forward per optimiser step either way).
+
+    Gradients are averaged over ranks by both, so the loss is scaled by the world size where the
+    global-batch mean is wanted (see train.py). The frozen embedding is left out of FSDP's shards:
+    it is replicated, never reduced.
+    """
+    if not d.distributed:
+        return module
+    if mode == "ddp":
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        ids = [d.device.index] if d.device.type == "cuda" else None
+        return DDP(module, device_ids=ids, broadcast_buffers=False)
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        frozen = {p for p in module.parameters() if not p.requires_grad}
+        # The draft is one layer: keeping it gathered between the unrolled steps costs little memory and
+        # saves an all-gather per step.
+        fully_shard(module, ignored_params=frozen, reshard_after_forward=False)
+        return module
+    raise ValueError(f"unknown parallel mode {mode!r}: ddp or fsdp")
+
+
+def _options(full_load: bool = False) -> StateDictOptions:
+    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True,
+                            broadcast_from_rank0=full_load)
+
+
+def state_dicts(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
+    """Full (unsharded) model and optimiser state on CPU, collective on every rank (FSDP gathers)."""
+    return get_model_state_dict(module, options=_options()), get_optimizer_state_dict(module, opt, options=_options())
+
+
+def load_state_dicts(module: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict, d: Dist) -> None:
+    # Every rank read the same checkpoint file, so no broadcast is needed.
+    opts = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
+    set_model_state_dict(module, model_sd, options=opts)
+    set_optimizer_state_dict(module, opt, opt_sd, options=opts)

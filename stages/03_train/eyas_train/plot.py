@@ -1,0 +1,36 @@
+"""The training curves of a draft run (train_log.jsonl) as a PNG: loss, and top-1 accuracy per TTT step."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from eyas_common.contract import atomic_write, iter_jsonl
+
+
+def plot_log(log: Path, png: Path) -> Path:
+    import io
+
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: training hosts have no display
+    import matplotlib.pyplot as plt
+
+    records = [r for _, r in iter_jsonl(log)]
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    steps = [r["step"] for r in records]
+    ax_loss.plot(steps, [r["loss"] for r in records], color="black", label="weighted total")
+    n_steps = len(records[0]["step_acc"]) if records else 0
+    for k in range(n_steps):
+        ax_loss.plot(steps, [r["step_loss"][k] for r in records], lw=0.8, alpha=0.7, label=f"step {k}")
+        ax_acc.plot(steps, [r["step_acc"][k] for r in records], lw=1.0, label=f"step {k}")
+    ax_loss.set(xlabel="optimiser step", ylabel="soft cross-entropy", title="loss", yscale="log")
+    ax_acc.set(xlabel="optimiser step", ylabel="top-1 = target argmax", title="accuracy per TTT step", ylim=(0, 1))
+    for ax in (ax_loss, ax_acc):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(png, buf.getvalue())
+    return png

@@ -1,0 +1,100 @@
+"""What training needs from the target, read from its files alone: config, embedding, lm_head, and the
+teacher distribution built from stored final states or stored top-K. The target model itself is never
+loaded for training (the eval loads it, since it runs the target).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import safe_open
+
+from eyas_train.vocab import VocabMap
+
+
+def text_config(model: str | Path) -> dict[str, Any]:
+    """The target's text-model config (multimodal wrappers such as Kimi-K2.5 nest it in `text_config`)."""
+    cfg = json.loads((Path(model) / "config.json").read_text())
+    return cfg.get("text_config", cfg)
+
+
+def _weight_files(model: Path) -> dict[str, Path]:
+    """Tensor name -> safetensors file, from the index when the checkpoint is sharded."""
+    index = model / "model.safetensors.index.json"
+    if index.is_file():
+        return {k: model / f for k, f in json.loads(index.read_text())["weight_map"].items()}
+    files = sorted(model.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors in {model}: the target must be a local safetensors checkpoint")
+    out = {}
+    for f in files:
+        with safe_open(f, "pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
+    """The one tensor whose name ends with `suffix` (e.g. `embed_tokens.weight`), read alone."""
+    model = Path(model)
+    names = _weight_files(model)
+    found = sorted(k for k in names if k == suffix or k.endswith("." + suffix))
+    if len(found) != 1:
+        what = "no tensor" if not found else f"{len(found)} tensors ({', '.join(found[:4])})"
+        near = sorted(k for k in names if suffix.split(".")[0] in k)[:8]
+        raise KeyError(f"{model}: {what} named *{suffix}; similar names: {near or sorted(names)[:8]}")
+    with safe_open(names[found[0]], "pt") as h:
+        return h.get_tensor(found[0])
+
+
+def load_embedding(model: str | Path) -> torch.Tensor:
+    return load_weight(model, "embed_tokens.weight")
+
+
+def load_lm_head(model: str | Path) -> torch.Tensor:
+    """The target's output projection [V, H]; the embedding when the target ties them."""
+    if text_config(model).get("tie_word_embeddings", False):
+        return load_embedding(model)
+    return load_weight(model, "lm_head.weight")
+
+
+class Teacher:
+    """The target's next-token distribution P_t restricted to the draft vocabulary (renormalised), and its
+    full-vocabulary argmax (what greedy verification accepts), from a batch's stored teacher fields."""
+
+    def __init__(self, vocab: VocabMap, lm_head: torch.Tensor | None, device: torch.device, chunk_rows: int = 2048):
+        self.keep = vocab.draft_to_target.to(device)
+        self.to_draft = vocab.target_to_draft.to(device)
+        self.lm_head = None if lm_head is None else lm_head.to(device)
+        self.chunk_rows = chunk_rows
+
+    @torch.no_grad()
+    def __call__(self, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        if "final" in batch:
+            return self._from_final(batch["final"])
+        return self._from_topk(batch["topk_ids"].long(), batch["topk_logprobs"].float())
+
+    def _from_final(self, final: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.lm_head is None:
+            raise ValueError("the hidden dataset stores final states but no target lm_head was loaded")
+        rows = final.reshape(-1, final.shape[-1])
+        probs, top = [], []
+        # Row chunks bound the full-vocabulary logits (163840 columns for Kimi) in memory.
+        for part in rows.split(self.chunk_rows):
+            logits = (part.to(self.lm_head.dtype) @ self.lm_head.T).float()
+            top.append(logits.argmax(-1))
+            probs.append(torch.softmax(logits[:, self.keep], dim=-1))
+        shape = final.shape[:-1]
+        return torch.cat(probs).view(*shape, -1), torch.cat(top).view(shape)
+
+    def _from_topk(self, ids: torch.Tensor, logprobs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        draft = self.to_draft[ids]
+        kept = draft >= 0
+        # Renormalise over the top-K entries inside the draft vocabulary; the rest of the mass is unknown.
+        p = torch.softmax(logprobs.masked_fill(~kept, float("-inf")), dim=-1).nan_to_num(0.0)
+        out = torch.zeros(*ids.shape[:-1], self.keep.numel(), device=ids.device)
+        out.scatter_add_(-1, draft.clamp(min=0), p * kept)
+        top = ids.gather(-1, logprobs.argmax(-1, keepdim=True)).squeeze(-1)
+        return out, top

@@ -1,0 +1,451 @@
+"""Stage 02 extract: shard format, hooks vs output_hidden_states, options, kill and resume, shard
+parts, torchrun ranks, refusals, and the vllm backend against the hf one."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt, target_fingerprint
+from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, new_manifest, verify
+from eyas_common.fixture import build_deepseek_fixture, fixture_prompts
+from eyas_common.servers import default_vllm_python
+from eyas_extract.batching import make_batches, plan_shards, SampleRef
+from eyas_extract.capture import encode, find_parts
+from eyas_extract.config import ExtractConfig
+from eyas_extract.hf_backend import pad_batch
+from eyas_extract.run import run as extract
+from eyas_extract.shards import ShardWriter, bytes_per_token, dequant_aux, open_hidden, shard_layout
+
+REPO = Path(__file__).resolve().parents[1]
+SYNTH = "synth/fx"
+# Small shards and batches, so a dozen samples make several shards of several batches each.
+SMALL = {"shard_samples": 3, "batch_tokens": 160, "progress": False}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def one_thread():
+    # Tiny matmuls on a shared 2-core machine: one thread is many times faster than two fighting.
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+def make_synth(root: Path, target: Path, name: str = "fx", n: int = 12, seed: int = 5, max_new_tokens: int = 40
+               ) -> Dataset:
+    """A complete synth dataset from HF greedy answers of the fixture, rendered as eyas-synth renders text."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(target)
+    chat = ChatTokens.of(tok)
+    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    convs = [p["messages"] for p in fixture_prompts(n, seed)]
+    prompts = [render_prompt(tok, m) for m in convs]
+    width = max(map(len, prompts))
+    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
+    with torch.no_grad():
+        out = model.generate(ids, attention_mask=(ids != tok.pad_token_id).long(), max_new_tokens=max_new_tokens,
+                             do_sample=False, eos_token_id=chat.end_of_turn, pad_token_id=tok.pad_token_id)
+    ds = Dataset.parse(name, "synth", root)
+    ds.path.mkdir(parents=True)
+    manifest = new_manifest("synth", stage="01_synth", target=target_fingerprint(tok, target), inputs=[],
+                            params={"made_by": "tests/test_extract.py: HF greedy, rendered"})
+    with JsonlAppender(ds.path / "samples.jsonl") as w:
+        for i, (conv, prompt) in enumerate(zip(convs, prompts)):
+            gen = out[i, width:].tolist()
+            ended = chat.end_of_turn in gen
+            gen = gen[: gen.index(chat.end_of_turn)] if ended else gen
+            close = gen.index(chat.think_close) if chat.think_close in gen else len(gen)
+            reasoning, content = tok.decode(gen[:close]), tok.decode(gen[close + 1:])
+            completion = render_completion(tok, prompt, reasoning, content, finished=ended)
+            w.write({"id": i, "prompt_index": i, "messages": conv, "thinking": True, "reasoning": reasoning,
+                     "content": content, "input_ids": prompt + completion,
+                     "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                     "finish_reason": "stop" if ended else "length", "source": "rendered"})
+    finalize(ds, manifest, stats={"samples": n}, records={"samples.jsonl": n})
+    return ds
+
+
+@pytest.fixture(scope="module")
+def root(tmp_path_factory, fixture_target) -> Path:
+    root = tmp_path_factory.mktemp("extract")
+    make_synth(root, fixture_target)
+    return root
+
+
+@pytest.fixture(scope="module")
+def target(fixture_target):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(fixture_target, dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def baseline(root, fixture_target) -> Path:
+    """hidden/base: the default layout, one uninterrupted in-process run."""
+    extract(synth=SYNTH, model=fixture_target, name="base", data_root=root, **SMALL)
+    return root / "hidden" / "base"
+
+
+def shard_hashes(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.glob("shard-*.safetensors"))}
+
+
+def synth_samples(root: Path) -> dict[int, dict]:
+    return {r["id"]: r for r in map(json.loads, (root / "synth" / "fx" / "samples.jsonl").read_text().splitlines())}
+
+
+def reference(hd, model) -> dict[int, dict[str, torch.Tensor]]:
+    """Each sample's rows recomputed with output_hidden_states=True over the same batches as the run."""
+    cfg = ExtractConfig(**hd.params)
+    out = {}
+    for path in hd.paths:
+        with safe_open(path, "pt") as f:
+            offsets, ids, sids = f.get_tensor("offsets"), f.get_tensor("input_ids"), f.get_tensor("sample_ids")
+        seqs = [ids[offsets[k]:offsets[k + 1]].tolist() for k in range(len(sids))]
+        for batch in make_batches([len(s) for s in seqs], cfg.batch_tokens):
+            padded, index = pad_batch([seqs[k] for k in batch])
+            with torch.inference_mode():
+                res = model(padded, output_hidden_states=True)
+            hs = [h.flatten(0, 1)[index] for h in res.hidden_states]
+            aux = torch.stack([hs[k] for k in cfg.layers], dim=1)
+            if cfg.teacher == "topk":
+                logp = res.logits.flatten(0, 1)[index].log_softmax(-1)
+                v, i = logp.topk(cfg.topk, dim=-1)
+                rows = encode(cfg, aux, topk=(i.to(torch.int32), v))
+            else:
+                rows = encode(cfg, aux, hs[cfg.num_layers])
+            r = 0
+            for k in batch:
+                n = len(seqs[k])
+                out[int(sids[k])] = {name: t[r:r + n] for name, t in rows.items()}
+                r += n
+    return out
+
+
+# ------------------------------------------------------------------------------------------------
+# format and planning
+
+
+def test_shard_writer_layout(tmp_path):
+    cfg = ExtractConfig(synth="synth/x", model="m", backend="hf", layers=[1, 2], num_layers=4, hidden_size=8,
+                        vocab_size=50, aux_dtype="fp8", teacher="topk", topk=3, shard_samples=8, shard_tokens=99,
+                        num_shards=1, batch_tokens=64, dtype="float32", attn="sdpa", device_map=None,
+                        trust_remote_code=False)
+    assert bytes_per_token(cfg) == 2 * 8 + 2 * 4 + 3 * 4 + 3 * 4 + 4 + 1
+    lengths = [3, 5, 2]
+    w = ShardWriter(tmp_path / "shard-00000.safetensors", cfg, [7, 9, 12], lengths)
+    rows = {k: {"aux": torch.randn(n, 16).to(torch.float8_e4m3fn), "aux_scale": torch.rand(n, 2),
+                "topk_ids": torch.randint(0, 50, (n, 3), dtype=torch.int32), "topk_logprobs": -torch.rand(n, 3)}
+            for k, n in enumerate(lengths)}
+    w.put("input_ids", 0, torch.arange(10, dtype=torch.int32))
+    w.put("loss_mask", 0, torch.ones(10, dtype=torch.uint8))
+    for k in (2, 0, 1):  # any order, as length-sorted batches come
+        w.put_sample(k, rows[k])
+    assert w.commit() == (tmp_path / "shard-00000.safetensors").stat().st_size == shard_layout(cfg, 3, 10).size
+    data = load_file(tmp_path / "shard-00000.safetensors")
+    assert data["offsets"].tolist() == [0, 3, 8, 10] and data["sample_ids"].tolist() == [7, 9, 12]
+    assert data["aux"].dtype == torch.float8_e4m3fn and data["aux"].shape == (10, 16)
+    assert torch.equal(data["aux"][3:8].view(torch.uint8), rows[1]["aux"].view(torch.uint8))
+    assert torch.equal(data["topk_logprobs"][8:], rows[2]["topk_logprobs"])
+    with safe_open(tmp_path / "shard-00000.safetensors", "pt") as f:  # mmap'd row slices, fp8 included
+        assert torch.equal(f.get_slice("aux")[3:8].view(torch.uint8), rows[1]["aux"].view(torch.uint8))
+    unfinished = ShardWriter(tmp_path / "shard-00001.safetensors", cfg, [1], [4])
+    with pytest.raises(RuntimeError, match="never written"):
+        unfinished.commit()
+    unfinished.abort()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["shard-00000.safetensors"]
+
+
+def test_plan_and_batches():
+    refs = [SampleRef(i, n, 1, 0) for i, n in enumerate([5, 50, 7, 30, 30, 2, 90, 4])]
+    shards = plan_shards(refs, shard_samples=3, shard_tokens=80)
+    assert [[r.id for r in s] for s in shards] == [[0, 1, 2], [3, 4, 5], [6], [7]]
+    lengths = [5, 50, 7, 30, 30, 2, 90, 4]
+    batches = make_batches(lengths, batch_tokens=64)
+    assert sorted(k for b in batches for k in b) == list(range(8))
+    for b in batches:
+        assert [lengths[k] for k in b] == sorted((lengths[k] for k in b), reverse=True)
+        assert len(b) == 1 or len(b) * lengths[b[0]] <= 64  # a sample over budget goes alone
+    assert make_batches(lengths, 64) == batches  # deterministic
+
+
+# ------------------------------------------------------------------------------------------------
+# extraction
+
+
+def test_extract_shapes_offsets_and_hooks(root, baseline, target):
+    hd = open_hidden("hidden/base", data_root=root)
+    m, p = hd.manifest, hd.params
+    assert m["schema"] == "eyas.hidden/1" and m["status"] == "complete"
+    assert m["inputs"][0]["ref"] == SYNTH and m["target"] == Dataset.parse(SYNTH, root=root).read_manifest()["target"]
+    assert p["layers"] == [2, 4, 5] and (p["num_layers"], p["hidden_size"], p["vocab_size"]) == (8, 128, 3000)
+    assert (p["aux_dtype"], p["teacher"], p["backend"], p["dtype"]) == ("bf16", "final", "hf", "float32")
+    assert verify(hd.ds) == []
+    samples = synth_samples(root)
+    s = m["stats"]
+    assert s["samples"] == len(hd) == len(samples) and hd.sample_ids == sorted(samples)
+    assert s["tokens"] == sum(len(r["input_ids"]) for r in samples.values())
+    assert s["masked_tokens"] == sum(sum(r["loss_mask"]) for r in samples.values())
+    assert s["bytes"] == sum(f["bytes"] for f in m["files"] if f["name"].startswith("shard-"))
+    assert s["bytes_per_token"] == pytest.approx(s["bytes"] / s["tokens"], abs=0.01) and s["tokens_per_s"] > 0
+    assert len(hd.paths) == p["num_shards"] == 4  # 12 samples, 3 per shard
+    ref = reference(hd, target)
+    for j, sid in enumerate(hd.sample_ids):
+        row = hd.sample(j)
+        n = len(samples[sid]["input_ids"])
+        assert row["sample_id"] == sid
+        assert row["aux"].shape == (n, 3 * 128) and row["aux"].dtype == torch.bfloat16
+        assert row["final"].shape == (n, 128) and row["final"].dtype == torch.bfloat16
+        assert row["input_ids"].dtype == torch.int32 and row["input_ids"].tolist() == samples[sid]["input_ids"]
+        assert row["loss_mask"].dtype == torch.uint8 and row["loss_mask"].tolist() == samples[sid]["loss_mask"]
+        assert set(row) == {"aux", "final", "input_ids", "loss_mask", "sample_id"}
+        # Hooks and output_hidden_states=True give identical tensors, bit for bit.
+        assert torch.equal(row["aux"], ref[sid]["aux"]) and torch.equal(row["final"], ref[sid]["final"])
+        assert torch.equal(hd.aux(j), row["aux"].float())
+    # The aux states are HF hidden_states[k] at the chosen ids (not, say, the layer outputs).
+    one = samples[hd.sample_ids[0]]["input_ids"]
+    with torch.inference_mode():
+        hs = target(torch.tensor([one]), output_hidden_states=True).hidden_states
+    got = hd.aux(0).view(len(one), 3, 128)
+    for slot, k in enumerate([2, 4, 5]):
+        torch.testing.assert_close(got[:, slot], hs[k][0], atol=0.05, rtol=0.01)  # bf16 storage
+        assert not torch.allclose(got[:, slot], hs[k + 1][0], atol=0.05, rtol=0.01)
+
+
+@pytest.mark.parametrize("opts", [
+    {"aux_dtype": "fp32"},
+    {"aux_dtype": "fp8", "teacher": "topk", "topk": 8},
+    {"aux_dtype": "bf16", "teacher": "topk", "topk": 4, "layers": [1, 3, 6, 7]},
+], ids=["fp32", "fp8-topk", "bf16-topk-4layers"])
+def test_options_match_output_hidden_states(root, fixture_target, target, opts):
+    name = "opt-" + "-".join(str(v) for v in opts.values()).replace(", ", "_").replace("[", "").replace("]", "")
+    extract(synth=SYNTH, model=fixture_target, name=name, data_root=root, **SMALL, **opts)
+    hd = open_hidden(f"hidden/{name}", data_root=root)
+    ref = reference(hd, target)
+    n_aux, h = len(hd.params["layers"]), 128
+    for j, sid in enumerate(hd.sample_ids):
+        row, want = hd.sample(j), ref[sid]
+        t = row["input_ids"].shape[0]
+        assert row["aux"].shape == (t, n_aux * h)
+        assert torch.equal(row["aux"].view(torch.uint8), want["aux"].view(torch.uint8))  # identical bytes
+        if hd.params["aux_dtype"] == "fp8":
+            assert row["aux_scale"].shape == (t, n_aux) and row["aux_scale"].dtype == torch.float32
+            assert torch.equal(row["aux_scale"], want["aux_scale"])
+        if hd.params["teacher"] == "topk":
+            k = hd.params["topk"]
+            assert "final" not in row and row["topk_ids"].shape == (t, k) and row["topk_ids"].dtype == torch.int32
+            assert row["topk_logprobs"].dtype == torch.float32
+            # lm_head over the real rows vs over the padded batch: the same up to float rounding.
+            torch.testing.assert_close(row["topk_logprobs"], want["topk_logprobs"], atol=1e-5, rtol=0)
+            assert (row["topk_ids"] == want["topk_ids"]).float().mean() > 0.99  # near-ties may swap
+            assert (row["topk_logprobs"].diff(dim=-1) <= 0).all()  # sorted descending
+        else:
+            assert row["final"].dtype == torch.float32 and torch.equal(row["final"], want["final"])
+
+
+def test_fp8_and_topk_round_trip(root, fixture_target, target):
+    """fp8 aux dequantises to within e4m3 rounding of the fp32 states; top-K log-probs are the target's."""
+    hd8 = open_hidden("hidden/opt-fp8-topk-8", data_root=root)
+    hd32 = open_hidden("hidden/opt-fp32", data_root=root)
+    assert hd8.sample_ids == hd32.sample_ids
+    for j in range(len(hd8)):
+        x, x8 = hd32.aux(j), hd8.aux(j)
+        scale = hd8.sample(j)["aux_scale"].repeat_interleave(128, dim=1)
+        # e4m3: 3 mantissa bits, so a relative error <= 2^-4, plus the subnormal step near zero.
+        assert ((x8 - x).abs() <= x.abs() * 2**-4 + scale * 2**-9).all()
+        row = hd8.sample(j)
+        ids = row["input_ids"].long()[None]
+        with torch.inference_mode():
+            logp = target(ids).logits[0].log_softmax(-1)
+        # The stored log-probs are log-softmax over the full vocab at the stored ids, and its top K.
+        torch.testing.assert_close(logp.gather(-1, row["topk_ids"].long()), row["topk_logprobs"], atol=1e-4, rtol=0)
+        torch.testing.assert_close(logp.topk(8).values, row["topk_logprobs"], atol=1e-4, rtol=0)
+    for hd in (hd8, hd32):
+        assert hd.manifest["stats"]["bytes_per_token"] == pytest.approx(bytes_per_token(ExtractConfig(**hd.params)), rel=0.05)
+
+
+def cli(root: Path, *args: str, **popen) -> subprocess.Popen:
+    env = {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen([sys.executable, "-m", "eyas_extract.cli", "run", "--synth", SYNTH, "--quiet", *args],
+                            env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
+
+
+def test_sigkill_and_resume_equal_uninterrupted(root, baseline, fixture_target):
+    args = ["--model", str(fixture_target), "--name", "killed", "--shard-samples", "1", "--batch-tokens", "160"]
+    out = root / "hidden" / "killed"
+    proc = cli(root, *args)
+    deadline = time.monotonic() + 120
+    while not list(out.glob("shard-*.safetensors")) and proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.002)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    done = len(list(out.glob("shard-*.safetensors")))
+    assert 0 < done < 12, f"the kill should land mid-run ({done} of 12 shards)"
+    assert json.loads((out / "manifest.json").read_text())["status"] == "partial"
+    with pytest.raises(DatasetError, match="partial"):
+        open_hidden("hidden/killed", data_root=root)
+    proc = cli(root, *args)
+    log = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 0, log
+    assert f"{done} of 12 shards already there" in log and "disk bill" in log and "tokens/s" in log
+    assert not [p for p in out.iterdir() if ".tmp-" in p.name]
+    # Same content as one uninterrupted run with the same options.
+    extract(synth=SYNTH, model=fixture_target, name="unkilled", data_root=root, shard_samples=1, batch_tokens=160,
+            progress=False)
+    assert shard_hashes(out) == shard_hashes(root / "hidden" / "unkilled")
+    assert open_hidden("hidden/killed", data_root=root).manifest["stats"]["tokens"] == \
+        open_hidden("hidden/unkilled", data_root=root).manifest["stats"]["tokens"]
+
+
+def test_shard_parts_equal_single_run(root, baseline, fixture_target):
+    stats = extract(synth=SYNTH, model=fixture_target, name="parts", shard="0/2", data_root=root, **SMALL)
+    assert "dataset" not in stats  # not complete after one part
+    assert json.loads((root / "hidden" / "parts" / "manifest.json").read_text())["status"] == "partial"
+    stats = extract(synth=SYNTH, model=fixture_target, name="parts", shard="1/2", data_root=root, **SMALL)
+    assert stats["dataset"]["samples"] == 12  # the last part finalizes
+    assert shard_hashes(root / "hidden" / "parts") == shard_hashes(baseline)
+    assert [r["worker"] for r in open_hidden("hidden/parts", data_root=root).manifest["stats"]["workers"]] == [0, 1]
+
+
+def test_torchrun_ranks_equal_single_run(root, baseline, fixture_target):
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1"}
+    cmd = [str(torchrun), "--standalone", "--nproc-per-node", "2", "-m", "eyas_extract.cli", "run", "--synth", SYNTH,
+           "--model", str(fixture_target), "--name", "ranks", "--shard-samples", "3", "--batch-tokens", "160",
+           "--quiet"]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert shard_hashes(root / "hidden" / "ranks") == shard_hashes(baseline)
+    hd = open_hidden("hidden/ranks", data_root=root)
+    assert sorted(r["worker"] for r in hd.manifest["stats"]["workers"]) == [0, 1]
+
+
+def test_deepseek_structure(tmp_path, fixture_target):
+    """The Kimi architecture (DeepseekV3, MLA + MoE) through the same hooks, checked against HF."""
+    from transformers import AutoModelForCausalLM
+
+    ds_target = build_deepseek_fixture()
+    model = AutoModelForCausalLM.from_pretrained(ds_target, dtype=torch.float32).eval()
+    parts = find_parts(model, 8, 128)
+    assert parts.names == {"base": "model", "layers": "model.layers", "norm": "model.norm", "lm_head": "lm_head"}
+    root = tmp_path
+    make_synth(root, fixture_target, n=4, max_new_tokens=8)
+    if target_fingerprint(load_tokenizer(ds_target), ds_target)["tokenizer_sha256"] != \
+            target_fingerprint(load_tokenizer(fixture_target), fixture_target)["tokenizer_sha256"]:
+        pytest.skip("the DeepseekV3 fixture's tokenizer differs from the Llama fixture's")
+    extract(synth=SYNTH, model=ds_target, name="dsv3", data_root=root, **SMALL)
+    hd = open_hidden("hidden/dsv3", data_root=root)
+    ref = reference(hd, model)
+    for j, sid in enumerate(hd.sample_ids):
+        assert torch.equal(hd.sample(j)["aux"], ref[sid]["aux"]) and torch.equal(hd.sample(j)["final"], ref[sid]["final"])
+
+
+def test_find_parts_names_what_it_found():
+    class Blocks(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.blocks = torch.nn.ModuleList(torch.nn.Linear(4, 4) for _ in range(3))
+
+    with pytest.raises(DatasetError, match=r"wanted a list of 8 identical layers.*blocks \(3 x Linear\)"):
+        find_parts(Blocks(), 8, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals
+
+
+def copy_synth(root: Path, name: str) -> Path:
+    src, dst = root / "synth" / "fx", root / "synth" / name
+    dst.mkdir(parents=True)
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def test_refusals(root, fixture_target, monkeypatch):
+    go = dict(model=fixture_target, data_root=root, progress=False)
+    part = copy_synth(root, "partial")
+    m = json.loads((part / "manifest.json").read_text())
+    (part / "manifest.json").write_text(json.dumps(m | {"status": "partial"}))
+    with pytest.raises(DatasetError, match=r"synth/partial: status is 'partial'.*rerun eyas-synth run"):
+        extract(synth="synth/partial", name="x", **go)
+    bad = copy_synth(root, "corrupt")
+    lines = (bad / "samples.jsonl").read_bytes()
+    (bad / "samples.jsonl").write_bytes(lines.replace(b'"stop"', b'"stoq"', 1))  # same size, other bytes
+    with pytest.raises(DatasetError, match=r"synth/corrupt is corrupted: samples.jsonl: sha256 differs.*eyas-data verify"):
+        extract(synth="synth/corrupt", name="x", **go)
+    (bad / "samples.jsonl").write_bytes(lines[: len(lines) // 2])
+    with pytest.raises(DatasetError, match=r"corrupted: samples.jsonl: \d+ bytes, manifest says"):
+        extract(synth="synth/corrupt", name="x", **go)
+    other = copy_synth(root, "schema")
+    (other / "manifest.json").write_text(json.dumps(m | {"schema": "eyas.synth/2"}))
+    with pytest.raises(DatasetError, match=r"schema 'eyas.synth/2'.*this eyas reads eyas.synth/1"):
+        extract(synth="synth/schema", name="x", **go)
+    tok = copy_synth(root, "othertok")
+    (tok / "manifest.json").write_text(json.dumps(m | {"target": m["target"] | {"chat_template_sha256": "0" * 64}}))
+    with pytest.raises(DatasetError, match=r"chat template .* does not match.*Load the dataset's target with --model"):
+        extract(synth="synth/othertok", name="x", **go)
+    with pytest.raises(DatasetError, match=r"--layers \[2, 8\]: need distinct ids in \[0, 8\)"):
+        extract(synth=SYNTH, name="x", layers=[2, 8], **go)
+    assert not (root / "hidden" / "x").exists()  # nothing written by a refused run
+
+    import eyas_extract.run as run_mod
+
+    monkeypatch.setattr(run_mod, "_free_bytes", lambda path: 10_000)
+    with pytest.raises(DatasetError, match=r"needs [\d.]+ GB but 0.00 GB are free.*--aux-dtype fp8"):
+        extract(synth=SYNTH, name="x", **go)
+    monkeypatch.undo()
+    # A resume must use the options the dataset was started with.
+    extract(synth=SYNTH, name="fixed", shard="0/4", **SMALL | go)
+    with pytest.raises(DatasetError, match=r"made with batch_tokens=160 \(now 999\)"):
+        extract(synth=SYNTH, name="fixed", shard="1/4", **SMALL | go | {"batch_tokens": 999})
+
+
+# ------------------------------------------------------------------------------------------------
+# the vllm backend: real vLLM (CPU build) with our connector, against the hf backend
+
+
+@pytest.mark.vllm
+@pytest.mark.parametrize("opts", [["--aux-dtype", "fp32"], ["--teacher", "topk", "--topk", "8", "--aux-dtype", "fp8"]],
+                         ids=["final-fp32", "topk-fp8"])
+def test_vllm_backend_agrees_with_hf(root, fixture_target, opts):
+    name = "vllm-" + opts[1]
+    env = {**os.environ, "EYAS_DATA": str(root), "PYTHONPATH": f"{REPO / 'common'}:{REPO / 'stages' / '02_extract'}",
+           "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CACHE_ROOT": str(REPO / ".cache" / "vllm"), "HF_HUB_OFFLINE": "1",
+           "VLLM_NO_USAGE_STATS": "1"}
+    cmd = [str(default_vllm_python()), "-m", "eyas_extract.cli", "run", "--backend", "vllm", "--synth", SYNTH,
+           "--model", str(fixture_target), "--name", name, "--shard-samples", "3", "--quiet", *opts]
+    res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
+    hf_name = "opt-fp32" if "fp32" in opts else "opt-fp8-topk-8"
+    if not (root / "hidden" / hf_name / "manifest.json").exists():
+        extract(synth=SYNTH, model=fixture_target, name=hf_name, data_root=root, **SMALL,
+                **({"aux_dtype": "fp32"} if "fp32" in opts else {"aux_dtype": "fp8", "teacher": "topk", "topk": 8}))
+    v, h = open_hidden(f"hidden/{name}", data_root=root), open_hidden(f"hidden/{hf_name}", data_root=root)
+    assert v.params["backend"] == "vllm" and h.params["backend"] == "hf"
+    same = ("layers", "num_layers", "hidden_size", "vocab_size", "aux_dtype", "teacher", "topk", "dtype")
+    assert {k: v.params[k] for k in same} == {k: h.params[k] for k in same}
+    assert v.sample_ids == h.sample_ids and v.manifest["stats"]["tokens"] == h.manifest["stats"]["tokens"]
+    for j in range(len(v)):
+        a, b = v.sample(j), h.sample(j)
+        assert set(a) == set(b) and all(a[k].shape == b[k].shape and a[k].dtype == b[k].dtype for k in a if k != "sample_id")
+        assert torch.equal(a["input_ids"], b["input_ids"]) and torch.equal(a["loss_mask"], b["loss_mask"])
+        torch.testing.assert_close(v.aux(j), h.aux(j), atol=2e-4 if "fp32" in opts else 0.1, rtol=0.07)
+        if "final" in a:
+            torch.testing.assert_close(a["final"], b["final"], atol=2e-4, rtol=1e-4)
+        else:
+            torch.testing.assert_close(a["topk_logprobs"], b["topk_logprobs"], atol=1e-4, rtol=0)
+            assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.99

@@ -1,0 +1,259 @@
+"""Stage 01 synth: prompts, sample validation (the wrapper bug), faults, real vLLM, kill and resume."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt
+from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, new_manifest
+from eyas_common.chat import target_fingerprint
+from eyas_common.fixture import write_prompts_jsonl
+from eyas_common.samples import validate_sample
+from eyas_synth.cli import main as synth_cli
+from eyas_synth.prompts import load_prompts
+from eyas_synth.run import run as synth
+from eyas_synth.stub import Faults, start_stub, vllm_body
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_target):
+    return load_tokenizer(fixture_target)
+
+
+def sound_sample(tok, sid: int, question: str, reasoning: str, content: str) -> dict:
+    messages = [{"role": "user", "content": question}]
+    prompt = render_prompt(tok, messages)
+    completion = render_completion(tok, prompt, reasoning, content)
+    return {"id": sid, "prompt_index": sid, "messages": messages, "thinking": True, "reasoning": reasoning,
+            "content": content, "input_ids": prompt + completion,
+            "loss_mask": [0] * len(prompt) + [1] * len(completion), "finish_reason": "stop", "source": "rendered"}
+
+
+def write_synth(root: Path, name: str, samples: list[dict], tok, model: Path) -> Dataset:
+    ds = Dataset.parse(name, "synth", root)
+    ds.path.mkdir(parents=True)
+    m = new_manifest("synth", stage="test", target=target_fingerprint(tok, model), inputs=[], params={})
+    with JsonlAppender(ds.path / "samples.jsonl") as w:
+        for s in samples:
+            w.write(s)
+    finalize(ds, m, stats={"samples": len(samples)}, records={"samples.jsonl": len(samples)})
+    return ds
+
+
+# ------------------------------------------------------------------------------------------------
+# prompts
+
+
+def test_prompt_files(tmp_path):
+    p = tmp_path / "p.jsonl"
+    p.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
+                                          {"role": "assistant", "content": "old answer"}]}) + "\n\n"
+                 + json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
+                                                 {"from": "human", "value": "again"}]}) + "\n")
+    assert load_prompts(p) == [
+        [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}],
+    ]
+    t = tmp_path / "p.txt"
+    t.write_text("first prompt\n\nsecond prompt\n")
+    assert load_prompts(t) == [[{"role": "user", "content": "first prompt"}], [{"role": "user", "content": "second prompt"}]]
+    for line, err in (('{"messages": [{"role": "user"}]}', "string `role` and `content`"),
+                      ('{"conversations": [{"from": "robot", "value": "x"}]}', "needs `from`"),
+                      ('{"text": "x"}', "expected an object with `messages`"),
+                      ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
+                      ('{"messages": [', "malformed JSON")):
+        p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")
+        with pytest.raises(DatasetError, match=rf"p\.jsonl:2: .*{err}"):
+            load_prompts(p)
+
+
+# ------------------------------------------------------------------------------------------------
+# validation: the bug this project was founded on
+
+
+def test_validate_sample_structure(tok):
+    good = sound_sample(tok, 0, "What is 2+3?", "2+3=5.", "5")
+    assert validate_sample(good, tok) == []
+    t = ChatTokens.of(tok)
+    assert good["input_ids"][good["loss_mask"].index(1) - 1] == t.think_open  # K2.5: <think> ends the prompt
+    assert good["input_ids"][-1] == t.end_of_turn
+
+    def broken(**change):
+        return validate_sample({**good, **change}, tok)
+
+    p = good["loss_mask"].index(1)
+    assert any("covers the prompt" in e or "differ" in e for e in broken(loss_mask=[1] * len(good["loss_mask"])))
+    assert any("holes" in e for e in broken(loss_mask=good["loss_mask"][:-2] + [0, 1]))
+    assert any("does not end with the end-of-turn" in e for e in broken(input_ids=good["input_ids"][:-1] + [5]))
+    assert any("reasoning ids decode" in e for e in broken(reasoning="something else"))
+    assert any("content ids decode" in e for e in broken(content="6"))
+    assert any("prompt ids differ" in e for e in broken(messages=[{"role": "user", "content": "What is 2+4?"}]))
+    assert any("2 </think>" in e for e in broken(input_ids=good["input_ids"][:p] + [t.think_close] + good["input_ids"][p:],
+                                                 loss_mask=good["loss_mask"] + [1]))
+    # a length-truncated answer inside its reasoning is sound: no </think>, no end-of-turn
+    prompt = good["input_ids"][:p]
+    cut = tok.encode("2+3 is", add_special_tokens=False)
+    trunc = {**good, "input_ids": prompt + cut, "loss_mask": [0] * p + [1] * len(cut), "reasoning": "2+3 is",
+             "content": "", "finish_reason": "length"}
+    assert validate_sample(trunc, tok) == []
+
+
+def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkeypatch):
+    """Reasoning and answer joined as text without <think>...</think>: refused, naming the sample."""
+    samples = [sound_sample(tok, i, f"What is {i}+1?", f"{i}+1={i + 1}.", str(i + 1)) for i in range(3)]
+    bad = samples[1]
+    p = bad["loss_mask"].index(1)
+    joined = tok.encode(bad["reasoning"] + bad["content"], add_special_tokens=False) + [ChatTokens.of(tok).end_of_turn]
+    samples[1] = {**bad, "input_ids": bad["input_ids"][:p] + joined, "loss_mask": [0] * p + [1] * len(joined)}
+    write_synth(tmp_path, "joined", samples, tok, fixture_target)
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    r = CliRunner().invoke(synth_cli, ["validate", "joined"])
+    assert r.exit_code == 1
+    assert "sample 1: " in r.output and "joined without the thinking wrappers" in r.output
+    assert "sample 0" not in r.output and "sample 2" not in r.output
+    assert "3 samples, 1 unsound" in r.output
+
+
+# ------------------------------------------------------------------------------------------------
+# a fault-injecting server
+
+
+def rendering_answer(tok):
+    """Stub answers shaped like the fixture's (ids rendered with the real tokenizer); every 7th is cut by length."""
+    def answer(payload):
+        msgs = payload["messages"]
+        prompt = render_prompt(tok, msgs, payload["chat_template_kwargs"]["thinking"])
+        q = msgs[-1]["content"]
+        if payload["seed"] % 7 == 3:
+            completion = render_completion(tok, prompt, "I keep thinking about " + q, "", finished=False)
+            return vllm_body("", prompt, completion, reasoning="I keep thinking about " + q, finish_reason="length")
+        reasoning, content = f"The question was {q}", f"The answer to {q}"
+        return vllm_body(content, prompt, render_completion(tok, prompt, reasoning, content), reasoning=reasoning)
+    return answer
+
+
+def test_faulty_server_run_completes_with_failures_counted(tok, fixture_target, tmp_path):
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 40, seed=3)
+    faults = Faults(rates={"500": 0.1, "503": 0.05, "429": 0.05, "hang": 0.04, "bad_json": 0.08, "drop": 0.08,
+                           "no_ids": 0.2}, retry_after="0", seed=1)
+    n = 80
+    with start_stub(answer=rendering_answer(tok), faults=faults) as stub:
+        stats = synth(prompts=prompts, name="faulty", model=fixture_target, servers=[stub.url], n=n,
+                      concurrency=16, timeout_s=1.5, max_attempts=2, served_model="fixture", data_root=tmp_path,
+                      progress=False)
+        served = stub.counts()
+    ds = Dataset.parse("faulty", "synth", tmp_path)
+    m = ds.read_manifest()
+    assert m["status"] == "complete" and m["stats"] == stats
+    failed = [r for _, r in iter_jsonl(ds.path / "failures.jsonl")]
+    samples = [r for _, r in iter_jsonl(ds.path / "samples.jsonl")]
+    assert stats["failed"] == len(failed) > 0 and stats["samples"] == len(samples)
+    assert stats["samples"] + stats["failed"] == n and stats["rejected"] == 0
+    assert {s["id"] for s in samples} | {f["id"] for f in failed} == set(range(n))
+    # answers without ids were rendered here, and are exactly as sound as the server's
+    assert 0 < stats["rendered"] == sum(s["source"] == "rendered" for s in samples) <= served.get("no_ids", 0)
+    assert stats["truncated_kept"] == sum(s["finish_reason"] == "length" for s in samples) > 0
+    client = stats["client"]
+    assert client["http_5xx"] == served.get("500", 0) + served.get("503", 0)
+    assert client["http_429"] == served.get("429", 0) and client["timeouts"] == served.get("hang", 0)
+    assert client["bad_json"] == served.get("bad_json", 0)
+    for s in samples:
+        assert validate_sample(s, tok) == [], s["id"]
+
+    # a rerun against a healthy server retries exactly the failed ones
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        stats = synth(prompts=prompts, name="faulty", model=fixture_target, servers=[stub.url], n=n,
+                      concurrency=16, max_attempts=2, served_model="fixture", data_root=tmp_path, progress=False)
+        assert stub.counts()["ok"] == len(failed)
+    ids = [r["id"] for _, r in iter_jsonl(ds.path / "samples.jsonl")]
+    assert sorted(ids) == list(range(n)) and stats["failed"] == 0
+    assert not (ds.path / "failures.jsonl").exists()
+
+
+def test_resume_refuses_changed_params_and_drops_truncated_on_request(tok, fixture_target, tmp_path):
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 14, seed=3)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        kw = dict(prompts=prompts, model=fixture_target, servers=[stub.url], served_model="fixture",
+                  data_root=tmp_path, progress=False)
+        stats = synth(name="dropping", n=14, drop_truncated=True, **kw)
+        assert stats["truncated_dropped"] == 2 and stats["samples"] == 12  # seeds 3 and 10 are cut (mod 7)
+        ds = Dataset.parse("dropping", "synth", tmp_path)
+        assert sum(1 for _ in iter_jsonl(ds.path / "truncated.jsonl")) == 2
+        with pytest.raises(DatasetError, match=r"synth/dropping was made with temperature=0\.6 \(now 0\.9\)"):
+            synth(name="dropping", n=14, drop_truncated=True, temperature=0.9, **kw)
+        # growing n resumes: only the new ids are asked for
+        before = stub.counts()["ok"]
+        synth(name="dropping", n=20, drop_truncated=True, **kw)
+        assert stub.counts()["ok"] - before == 6
+
+
+# ------------------------------------------------------------------------------------------------
+# real vLLM
+
+
+@pytest.mark.vllm
+def test_synth_against_real_vllm(vllm_server, fixture_target, tok, tmp_path, monkeypatch):
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 64, seed=5)
+    stats = synth(prompts=prompts, name="real", model=fixture_target, servers=[vllm_server.url], n=64,
+                  max_tokens=256, temperature=0.0, concurrency=32, data_root=tmp_path, progress=False)
+    # greedy answers of the fixture keep the format; a rare broken one is rejected, never kept
+    assert stats["samples"] + stats["rejected"] == 64 and stats["rejected"] <= 2
+    assert stats["failed"] == stats["rendered"] == 0
+    samples = [r for _, r in iter_jsonl(tmp_path / "synth" / "real" / "samples.jsonl")]
+    t = ChatTokens.of(tok)
+    for s in samples:
+        p = s["loss_mask"].index(1)
+        # the server's prompt ids are the tokenizer's own rendering (validate re-checks, here explicitly)
+        assert s["input_ids"][:p] == render_prompt(tok, s["messages"])
+        assert s["source"] == "server" and s["reasoning"] and s["content"]
+        assert t.think_close in s["input_ids"][p:] and s["input_ids"][-1] == t.end_of_turn
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    r = CliRunner().invoke(synth_cli, ["validate", "real"])
+    assert r.exit_code == 0, r.output
+    assert f"{stats['samples']} samples, 0 unsound, status complete" in r.output
+
+
+@pytest.mark.vllm
+def test_sigkill_mid_run_then_resume(vllm_server, fixture_target, tok, tmp_path):
+    n = 120
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 50, seed=6)
+    cmd = [str(REPO / ".venv" / "bin" / "eyas-synth"), "run", "--prompts", str(prompts), "--name", "killed",
+           "--model", str(fixture_target), "--server", vllm_server.url, "--n", str(n), "--max-tokens", "256",
+           "--concurrency", "4", "--quiet"]
+    env = {**os.environ, "EYAS_DATA": str(tmp_path)}
+    samples = tmp_path / "synth" / "killed" / "samples.jsonl"
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and (not samples.exists() or samples.read_bytes().count(b"\n") < 30):
+        assert proc.poll() is None, proc.stderr.read().decode()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    written = samples.read_bytes().count(b"\n")
+    assert 30 <= written < n
+    with open(samples, "ab") as f:  # as if killed mid-line too
+        f.write(b'{"id": 999, "input_ids": [1, 2')
+    m = json.loads((tmp_path / "synth" / "killed" / "manifest.json").read_text())
+    assert m["status"] == "partial"
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert f"{written} of {n} samples already there" in out.stderr
+    # every id exactly once: kept, or rejected when the model itself broke the format (it is tiny)
+    ids = [r["id"] for _, r in iter_jsonl(samples)]
+    rejected = samples.with_name("rejected.jsonl")
+    rejected_ids = [r["id"] for _, r in iter_jsonl(rejected)] if rejected.exists() else []
+    assert sorted(ids + rejected_ids) == list(range(n)) and len(rejected_ids) < n // 10
+    out = subprocess.run([str(REPO / ".venv" / "bin" / "eyas-synth"), "validate", "killed"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr

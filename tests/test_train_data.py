@@ -1,0 +1,206 @@
+"""Stage 03 inputs: hidden shards built here from the fixture target with HF (stage 02's format), read
+back by eyas_train.data; the teacher from final states and from top-K; fp8 aux.
+
+The builders below are shared by the other test_train_* modules (and the training benchmark): greedy
+answers of the fixture target as a synth dataset, and its aux/final states as a hidden dataset.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from eyas_common.chat import load_tokenizer, render_prompt, target_fingerprint
+from eyas_common.contract import Dataset, JsonlAppender, finalize, input_ref, iter_jsonl, new_manifest
+from eyas_common.fixture import fixture_prompts
+from eyas_train.data import HiddenShards, collate, global_batches, rank_share
+from eyas_train.target import Teacher, load_lm_head
+from eyas_train.vocab import build_vocab
+
+# ------------------------------------------------------------------------------------------------
+# builders
+
+
+@torch.no_grad()
+def generate_samples(model_dir: Path, n: int, seed: int, split: str = "train", max_new_tokens: int = 256,
+                     batch: int = 32) -> list[dict[str, Any]]:
+    """Synth-format samples: the fixture target's greedy answers (HF, fp32) to `n` fixture prompts."""
+    from transformers import AutoModelForCausalLM
+
+    tok = load_tokenizer(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = fixture_prompts(n, seed, split)
+    out = []
+    for i0 in range(0, n, batch):
+        chunk = prompts[i0:i0 + batch]
+        ids = [render_prompt(tok, p["messages"]) for p in chunk]
+        width = max(map(len, ids))
+        # Left padding so that every row generates from its own last prompt token.
+        x = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
+        att = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
+        gen = model.generate(x, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=eot, pad_token_id=tok.pad_token_id)[:, width:].tolist()
+        for j, (p, prompt, completion) in enumerate(zip(chunk, ids, gen)):
+            finished = eot in completion
+            completion = completion[:completion.index(eot) + 1] if finished else completion
+            text = tok.decode(completion, skip_special_tokens=False)
+            reasoning, _, content = text.partition("</think>")
+            out.append({"id": i0 + j, "prompt_index": i0 + j, "messages": p["messages"], "thinking": True,
+                        "reasoning": reasoning, "content": content.replace("<|im_end|>", ""),
+                        "input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion),
+                        "finish_reason": "stop" if finished else "length", "source": "server"})
+    return out
+
+
+def write_synth(root: Path, name: str, samples: list[dict[str, Any]], model_dir: Path) -> Dataset:
+    ds = Dataset.parse(name, "synth", root)
+    ds.path.mkdir(parents=True, exist_ok=True)
+    m = new_manifest("synth", stage="test", target=target_fingerprint(load_tokenizer(model_dir), model_dir),
+                     inputs=[], params={"temperature": 0.0, "generator": "hf-greedy"})
+    with JsonlAppender(ds.path / "samples.jsonl") as w:
+        for s in samples:
+            w.write(s)
+    finalize(ds, m, stats={"samples": len(samples)}, records={"samples.jsonl": len(samples)})
+    return ds
+
+
+@torch.no_grad()
+def extract_hidden(root: Path, name: str, synth: Dataset, model_dir: Path, *, layers: list[int] | None = None,
+                   teacher: str = "final", topk: int = 8, aux_dtype: str = "bfloat16",
+                   per_shard: int = 64) -> Dataset:
+    """Stage 02's hidden format from HF `output_hidden_states`: row t = states at position t."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
+    layers = layers or [2, n_layers // 2, n_layers - 3]
+    samples = [s for _, s in iter_jsonl(synth.path / "samples.jsonl")]
+    ds = Dataset.parse(name, "hidden", root)
+    ds.path.mkdir(parents=True, exist_ok=True)
+    for shard, i0 in enumerate(range(0, len(samples), per_shard)):
+        part = samples[i0:i0 + per_shard]
+        cols: dict[str, list[torch.Tensor]] = {}
+        for s in part:
+            ids = torch.tensor([s["input_ids"]])
+            hs = model.model(ids, output_hidden_states=True).hidden_states
+            row = {"aux": torch.cat([hs[k][0] for k in layers], dim=-1),
+                   "input_ids": ids[0].int(), "loss_mask": torch.tensor(s["loss_mask"], dtype=torch.uint8)}
+            final = hs[-1][0]  # transformers' last entry is the normed output (the lm_head's input)
+            if teacher == "final":
+                row["final"] = final.to(torch.bfloat16)
+            else:
+                lp = torch.log_softmax(model.lm_head(final), dim=-1).topk(topk)
+                row["topk_ids"], row["topk_logprobs"] = lp.indices.int(), lp.values.float()
+            for k, v in row.items():
+                cols.setdefault(k, []).append(v)
+        tensors = {k: torch.cat(v) for k, v in cols.items()}
+        aux = tensors["aux"]
+        if aux_dtype == "float8_e4m3fn":
+            x = aux.view(aux.shape[0], len(layers), hidden)
+            scale = x.abs().amax(-1).clamp(min=1e-8) / 448.0
+            tensors["aux"] = (x / scale[..., None]).to(torch.float8_e4m3fn).view(aux.shape[0], -1)
+            tensors["aux_scale"] = scale.float()
+        else:
+            tensors["aux"] = aux.to(getattr(torch, aux_dtype))
+        lengths = torch.tensor([len(s["input_ids"]) for s in part])
+        tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
+        tensors["sample_ids"] = torch.tensor([s["id"] for s in part], dtype=torch.long)
+        save_file(tensors, str(ds.path / f"shard-{shard:05d}.safetensors"))
+    m = new_manifest("hidden", stage="test", target=target_fingerprint(load_tokenizer(model_dir), model_dir),
+                     inputs=[input_ref(synth)],
+                     params={"model": str(model_dir), "layers": layers, "hidden_size": hidden,
+                             "vocab_size": model.config.vocab_size, "aux_dtype": aux_dtype, "teacher": teacher,
+                             "topk": topk if teacher == "topk" else None})
+    finalize(ds, m, stats={"samples": len(samples)})
+    return ds
+
+
+def build_datasets(root: Path, model_dir: Path, n: int, seed: int = 0, **extract: Any) -> Dataset:
+    """synth/fixture_N + hidden/fixture_N under `root`, made once (reused when already complete)."""
+    name = f"fixture_{n}_{seed}" + "".join(f"_{v}" for v in extract.values())
+    hidden = Dataset.parse(name, "hidden", root)
+    if hidden.exists() and hidden.read_manifest()["status"] == "complete":
+        return hidden
+    synth = Dataset.parse(f"fixture_{n}_{seed}", "synth", root)
+    if not (synth.exists() and synth.read_manifest()["status"] == "complete"):
+        synth = write_synth(root, synth.name, generate_samples(model_dir, n, seed), model_dir)
+    return extract_hidden(root, name, synth, model_dir, **extract)
+
+
+# ------------------------------------------------------------------------------------------------
+# tests
+
+
+@pytest.fixture(scope="module")
+def small(fixture_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("data")
+    return root, build_datasets(root, fixture_target, 12, seed=3, per_shard=5)
+
+
+def test_shards_read_back_the_samples(small, fixture_target):
+    root, hidden = small
+    shards = HiddenShards(hidden.path)
+    synth = [s for _, s in iter_jsonl(root / "synth" / "fixture_12_3" / "samples.jsonl")]
+    assert len(shards) == 12 and len(shards.files) == 3 and shards.teacher == "final"
+    for ref, s in zip(shards.samples, synth):
+        row = shards.read(ref, max_len=10_000)
+        assert row["input_ids"].tolist() == s["input_ids"] and row["loss_mask"].tolist() == s["loss_mask"]
+        assert row["aux"].shape == (len(s["input_ids"]), 3 * 128) and row["final"].shape == (len(s["input_ids"]), 128)
+    assert shards.read(shards.samples[0], max_len=7)["aux"].shape[0] == 7
+    counts = shards.token_counts(3000)
+    assert int(counts.sum()) == sum(sum(s["loss_mask"]) for s in synth)
+
+
+def test_batches_are_a_deterministic_partition():
+    batches = global_batches(50, 8, seed=1, epoch=2)
+    assert batches == global_batches(50, 8, seed=1, epoch=2) != global_batches(50, 8, seed=1, epoch=3)
+    flat = [i for b in batches for i in b]
+    assert len(batches) == 6 and len(set(flat)) == 48
+    lengths = list(range(50))
+    shares = [rank_share(batches[0], lengths, r, 2) for r in range(2)]
+    assert sorted(shares[0] + shares[1]) == sorted(batches[0])
+    rows = collate([{"input_ids": torch.tensor([5, 6, 7]), "x": torch.ones(3, 2)},
+                    {"input_ids": torch.tensor([8]), "x": torch.ones(1, 2)}])
+    assert rows["input_ids"].tolist() == [[5, 6, 7], [8, 0, 0]] and rows["length"].tolist() == [3, 1]
+    assert rows["x"][1, 1:].abs().sum() == 0
+
+
+def test_teacher_final_and_topk_agree(small, fixture_target, tmp_path):
+    """P_t from the final state through the lm_head equals P_t from stored top-K, within the top-K mass."""
+    root, hidden = small
+    shards = HiddenShards(hidden.path)
+    synth = Dataset.parse("fixture_12_3", "synth", root)
+    topk = extract_hidden(tmp_path, "topk", synth, fixture_target, teacher="topk", topk=3000, per_shard=5)
+    top_shards = HiddenShards(topk.path)
+    assert top_shards.teacher == "topk"
+    vocab = build_vocab(shards.token_counts(3000), 600)
+    t = Teacher(vocab, load_lm_head(fixture_target), torch.device("cpu"))
+    a = collate([shards.read(r, 10_000) for r in shards.samples[:3]])
+    b = collate([top_shards.read(r, 10_000) for r in top_shards.samples[:3]])
+    pa, ta = t(a)
+    pb, tb = t(b)
+    assert pa.shape == pb.shape == (3, a["input_ids"].shape[1], 600)
+    real = torch.arange(a["input_ids"].shape[1])[None] < a["length"][:, None]
+    assert torch.equal(ta[real], tb[real])
+    # bf16 final states against fp32 logits: close, not equal.
+    assert (pa - pb)[real].abs().max() < 0.03
+    assert torch.allclose(pa[real].sum(-1), torch.ones(int(real.sum())), atol=1e-4)
+
+
+def test_fp8_aux_is_dequantised(small, fixture_target, tmp_path):
+    root, hidden = small
+    synth = Dataset.parse("fixture_12_3", "synth", root)
+    fp8 = extract_hidden(tmp_path, "fp8", synth, fixture_target, aux_dtype="float8_e4m3fn", per_shard=5)
+    assert json.loads((fp8.path / "manifest.json").read_text())["params"]["aux_dtype"] == "float8_e4m3fn"
+    a = HiddenShards(hidden.path).read(HiddenShards(hidden.path).samples[0], 10_000)["aux"].float()
+    b = HiddenShards(fp8.path).read(HiddenShards(fp8.path).samples[0], 10_000)["aux"]
+    assert b.dtype == torch.float32 and a.shape == b.shape
+    # e4m3 keeps 3 mantissa bits: relative error per element stays within about 2**-4 of the row scale.
+    rel = (a - b).abs().view(a.shape[0], 3, -1).amax(-1) / a.abs().view(a.shape[0], 3, -1).amax(-1)
+    assert rel.max() < 0.07
