@@ -18,6 +18,12 @@ MAX_TOKENS  ?= 4096
 TEMPERATURE ?= 0.6
 CONCURRENCY ?= 128
 SYNTH_ARGS  ?=
+# extract / train knobs: make extract SYNTH=synth/NAME MODEL=... NAME=...; make train HIDDEN=hidden/NAME MODEL=... NAME=...
+SYNTH        ?=
+HIDDEN       ?=
+EXTRACT_ARGS ?=
+TRAIN_ARGS   ?=
+NPROC        ?= 1
 PYTEST_ARGS ?=
 
 STAGES := $(wildcard stages/*/pyproject.toml)
@@ -58,6 +64,16 @@ synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... 
 	  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(SYNTH_ARGS)
 	$(VENV)/bin/eyas-synth validate $(NAME)
 
+extract: install ## stage 02: make extract SYNTH=synth/NAME MODEL=... NAME=... [NPROC=8] [EXTRACT_ARGS=...]
+	@test -n "$(SYNTH)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name" >&2; exit 2; }
+	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_extract.cli,$(VENV)/bin/eyas-extract) \
+	  run --synth $(SYNTH) --model $(MODEL) --name $(NAME) $(EXTRACT_ARGS)
+
+train: install ## stage 03: make train HIDDEN=hidden/NAME MODEL=... NAME=... [NPROC=8] [TRAIN_ARGS=...]
+	@test -n "$(HIDDEN)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name" >&2; exit 2; }
+	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_train.cli,$(VENV)/bin/eyas-train) \
+	  run --hidden $(HIDDEN) --model $(MODEL) --name $(NAME) $(TRAIN_ARGS)
+
 bench-synth: install ## benchmark the synth client against a zero-latency local server
 	$(PY) bench/synth_client.py
 
@@ -70,4 +86,4 @@ rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help install vllm test demo synth bench-synth datasets rm-data clean
+.PHONY: help install vllm test demo synth extract train bench-synth datasets rm-data clean

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 from eyas_common.fixture import build_fixture, write_prompts_jsonl
-from eyas_common.servers import start_vllm, stop, wait_healthy
+from eyas_common.servers import running_vllm
 from eyas_synth.run import run as synth
 from eyas_synth.validate import validate
 
@@ -34,14 +34,11 @@ def main() -> None:
     prompts = write_prompts_jsonl(data / "prompts.jsonl", N_SAMPLES, seed=1)
 
     step("vLLM: serving the target on 127.0.0.1 (start-up takes a minute or two on CPU)")
-    server = start_vllm(target, log_path=data / "vllm.log", extra_args=["--reasoning-parser", "kimi_k2"])
-    try:
-        wait_healthy(server)
+    with running_vllm(target, log_path=data / "vllm.log", timeout_s=600,
+                      extra_args=["--reasoning-parser", "kimi_k2"]) as server:
         step(f"01 synth: {N_SAMPLES} samples")
         synth(prompts=prompts, name="demo", model=target, servers=[server.url], n=N_SAMPLES,
               max_tokens=256, temperature=0.0, concurrency=32)
-    finally:
-        stop(server)
 
     step("01 validate")
     report = validate("demo", model=target)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import importlib.util
 import json
 import random
 import shutil
@@ -104,7 +105,7 @@ def main() -> None:
     ap.add_argument("--max-len", type=int, default=512, help="longest sample, tokens")
     ap.add_argument("--batch-tokens", type=int, default=4096, help="padded tokens per forward")
     ap.add_argument("--shard-samples", type=int, default=32)
-    ap.add_argument("--reps", type=int, default=3, help="alternating repetitions; the best of each side is kept")
+    ap.add_argument("--reps", type=int, default=5, help="alternating repetitions; the best of each side is kept")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a small shared CPU)")
     ap.add_argument("--topk", type=int, default=8, help="K of the topk+fp8 layout")
     ap.add_argument("--big", action="store_true", help="24 layers, H 1024, bf16: for a GPU (bench/extract_gpu.sh)")
@@ -127,7 +128,8 @@ def main() -> None:
         batches = []
         for refs in plan:
             seqs = [s for s, _ in load_tokens(samples_path, refs)]
-            batches += [pad_batch([seqs[k] for k in b])[0] for b in make_batches([len(s) for s in seqs], cfg.batch_tokens)]
+            for batch in make_batches([len(s) for s in seqs], cfg.batch_tokens):
+                batches.append(pad_batch([seqs[k] for k in batch])[0])
         real = sum(r.n_tokens for refs in plan for r in refs)
         padded = sum(b.numel() for b in batches)
         model = load_target(cfg, device)
@@ -141,6 +143,11 @@ def main() -> None:
             small = extract(name=f"topk-fp8-{rep}", teacher="topk", topk=args.topk, aux_dtype="fp8", **common)
             small_tps.append(small["tokens_per_s"])
         del model, decoder
+        vllm_tps = None
+        if importlib.util.find_spec("vllm") is not None:  # the vllm backend too, where this Python has it
+            if device.type == "cuda":
+                torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+            vllm_tps = extract(name="vllm", backend="vllm", **common)["tokens_per_s"]
         h = cfg.hidden_size
         unit = 4 * h * 2
         bpt = first["dataset"]["bytes_per_token"]
@@ -153,10 +160,11 @@ def main() -> None:
           f"attn {cfg.attn}, {torch.get_num_threads()} thread(s)")
     print(f"data: {args.samples} samples, {real:,} tokens ({1 - real / padded:.1%} padding) in {len(batches)} batches "
           f"of <= {cfg.batch_tokens} tokens, {len(plan)} shards; aux layers {cfg.layers}")
-    print(f"bare model(input_ids):  {max(bare):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in bare)})")
-    print(f"extraction (bf16):      {max(ext):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in ext)})")
-    print(f"extraction (topk+fp8):  {max(small_tps):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in small_tps)})")
-    print(f"decoder only (no head): {max(body):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in body)})")
+    for label, runs in (("bare model(input_ids):", bare), ("extraction (bf16):", ext),
+                        ("extraction (topk+fp8):", small_tps), ("decoder only (no head):", body)):
+        print(f"{label:23s} {max(runs):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in runs)})")
+    if vllm_tps is not None:
+        print(f"{'extraction (vllm)':23s} {vllm_tps:>10,.0f} tokens/s   (one run; ratio to bare {vllm_tps / max(bare):.3f})")
     print(f"throughput ratio:       {ratio:10.3f}          (goal >= 0.95; topk+fp8 {max(small_tps) / max(bare):.3f}; "
           f"bf16 vs the decoder alone {max(ext) / max(body):.3f})")
     print(f"bytes/token bf16+final: {bpt:10,.1f} = {bpt / unit:.3f} x 4*H*2 ({unit:,} B)")

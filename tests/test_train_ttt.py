@@ -210,6 +210,10 @@ def test_name_map_covers_the_module_exactly():
     assert out["lm_head.weight"].shape == (VD, 16) and out["lm_head.weight"].dtype == torch.bfloat16
     assert out["d2t"].dtype == torch.int64 and out["t2d"].dtype == torch.bool and out["t2d"].shape == (V,)
     assert set(imported_state(out)) == set(NAME_MAP)
+    # the identity map (draft vocabulary = target vocabulary) is left out: vLLM refuses a d2t then
+    ident = {**state, "d2t": torch.zeros(V, dtype=torch.long), "t2d": torch.ones(V, dtype=torch.bool),
+             "lm_head.weight": torch.zeros(V, 16)}
+    assert set(exported_tensors(ident, torch.float32)) == EXPECTED - {"d2t", "t2d"}
     with pytest.raises(KeyError, match="unknown"):
         exported_tensors({**state, "layer.extra.weight": torch.zeros(1)}, torch.float32)
     with pytest.raises(KeyError, match="missing"):

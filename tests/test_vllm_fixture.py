@@ -3,6 +3,7 @@ that synth relies on (token ids, where the reasoning goes), checked against HF."
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import httpx
@@ -11,9 +12,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from eyas_common import fixture as fx
-from eyas_common.servers import VllmServer
-
-pytestmark = pytest.mark.vllm
+from eyas_common.servers import VllmServer, start_vllm, stop, wait_healthy
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +28,7 @@ def chat(server: VllmServer, messages: list[dict], **extra) -> dict:
     return r.json()
 
 
+@pytest.mark.vllm
 def test_token_ids_and_reasoning_split(vllm_server: VllmServer, fixture_target: Path, tok) -> None:
     torch.set_num_threads(2)
     hf = AutoModelForCausalLM.from_pretrained(fixture_target).eval()
@@ -55,6 +55,7 @@ def test_token_ids_and_reasoning_split(vllm_server: VllmServer, fixture_target: 
         assert msg["content"] == tok.decode(ids[cut + 1 : -1])
 
 
+@pytest.mark.vllm
 def test_thinking_off_is_all_content(vllm_server: VllmServer, tok) -> None:
     msgs = fx.fixture_prompts(1, seed=22)[0]["messages"]
     resp = chat(vllm_server, msgs, chat_template_kwargs={"thinking": False})
@@ -67,3 +68,14 @@ def test_thinking_off_is_all_content(vllm_server: VllmServer, tok) -> None:
     assert not (msg.get("reasoning") or msg.get("reasoning_content"))
     assert msg["content"] == tok.decode(choice["token_ids"][:-1])
     assert choice["token_ids"][-1] == tok.eos_token_id
+
+
+def test_dead_server_reports_its_log(tmp_path: Path) -> None:
+    # An interpreter without vLLM: the server dies at once, and the error carries the reason.
+    server = start_vllm(tmp_path, log_path=tmp_path / "server.log", python=Path(sys.executable))
+    try:
+        with pytest.raises(RuntimeError, match="No module named 'vllm'"):
+            wait_healthy(server, timeout_s=60)
+    finally:
+        stop(server)
+    assert server.proc.returncode not in (None, 0)

@@ -47,9 +47,9 @@ def index_samples(path: Path, vocab_size: int) -> list[SampleRef]:
                 problem = "fields id, input_ids and loss_mask missing or of the wrong type"
             elif not ids or len(ids) != len(mask):
                 problem = f"{len(ids)} input_ids but {len(mask)} loss_mask values"
-            elif not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+            elif not (isinstance(min(ids), int) and min(ids) >= 0 and max(ids) < vocab_size):
                 problem = f"input_ids outside the target's vocabulary [0, {vocab_size})"
-            elif any(m not in (0, 1) for m in mask):
+            elif not set(mask) <= {0, 1}:
                 problem = "loss_mask values other than 0/1"
             elif sid in seen:
                 problem = f"sample id {sid} appears twice"

@@ -59,10 +59,14 @@ def find_parts(model: nn.Module, num_layers: int, hidden: int) -> Parts:
         return Parts(parent, stack, norm[1], head, {
             "base": parent_name, "layers": name, "norm": f"{parent_name}.{norm[0]}".lstrip("."), "lm_head": head_name})
     listing = ", ".join(f"{n or '<root>'} ({len(m)} x {type(m[0]).__name__})" for n, m in stacks) or "none"
+    inside = tuple(f"{n}." for n, _ in stacks)
+    norms = ", ".join(f"{n} ({type(m).__name__})" for n, m in modules.items()
+                      if "norm" in type(m).__name__.lower() and not n.startswith(inside)) or "none"
+    head_type = type(head).__name__ if head is not None else "none"
     raise DatasetError(
         f"cannot locate the decoder stack of {type(model).__name__}: wanted a list of {num_layers} identical layers "
         f"whose parent also holds a final norm of width {hidden}, and an output embedding (lm_head). Found layer "
-        f"lists: {listing}; lm_head: {type(head).__name__ if head is not None else 'none'}. "
+        f"lists: {listing}; norms outside them: {norms}; lm_head: {head_type}. "
         f"Is --model a causal LM checkpoint (with --trust-remote-code if it ships its own code)?")
 
 
@@ -121,10 +125,11 @@ def topk_logprobs(final: torch.Tensor, lm_head: nn.Module, k: int, vocab: int) -
     rows = max(1, LOGIT_BYTES // (4 * vocab))
     ids, lps = [], []
     for chunk in final.split(rows):
-        logp = torch.log_softmax(lm_head(chunk).float(), dim=-1)
-        v, i = logp.topk(k, dim=-1)
+        logits = lm_head(chunk).float()
+        v, i = logits.topk(k, dim=-1)
+        # log_softmax at the top K only: no second [rows, V] tensor is written.
+        lps.append(v - logits.logsumexp(dim=-1, keepdim=True))
         ids.append(i.to(torch.int32))
-        lps.append(v)
     return torch.cat(ids), torch.cat(lps)
 
 

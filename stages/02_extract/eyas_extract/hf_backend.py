@@ -34,10 +34,11 @@ def pick_dtype(dtype: str, device: torch.device) -> str:
     return {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
 
 
-def pick_attn(attn: str, device: torch.device) -> str:
+def pick_attn(attn: str, device: torch.device, dtype: str) -> str:
+    """flash-attn where it runs (a GPU, 16-bit weights, the package installed), else sdpa."""
     if attn != "auto":
         return attn
-    if device.type == "cuda" and importlib.util.find_spec("flash_attn") is not None:
+    if device.type == "cuda" and dtype == "bfloat16" and importlib.util.find_spec("flash_attn") is not None:
         return "flash_attention_2"
     return "sdpa"
 
@@ -46,8 +47,10 @@ def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
-    if cfg.device_map:
-        kwargs["device_map"] = cfg.device_map
+    # With accelerate, weights load straight onto the device (or across several, device_map "auto").
+    direct = cfg.device_map or (str(device) if importlib.util.find_spec("accelerate") else None)
+    if direct:
+        kwargs["device_map"] = direct
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=cfg.attn, **kwargs)
     except (ValueError, ImportError) as e:
@@ -57,7 +60,7 @@ def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
         print(f"[extract] attention {cfg.attn} unavailable for this model ({e}); using eager", file=sys.stderr)
         cfg.attn = "eager"
         model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation="eager", **kwargs)
-    if not cfg.device_map:
+    if not direct:
         model.to(device)
     return model.eval().requires_grad_(False)
 

@@ -182,6 +182,10 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
     # Host I of N keeps shards j = I mod N; its ranks split those further. Worker w takes j = w mod W.
     workers, worker = parts * world, part + parts * rank
     model = Path(model)
+    if backend == "vllm":
+        from eyas_extract.vllm_backend import require_vllm
+
+        require_vllm()
 
     # The input, refused when partial, corrupted, unknown or made for another tokenizer.
     sds, smanifest = open_input(synth, "synth", root=data_root)
@@ -203,11 +207,12 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
     if dev.type == "cuda" and world > 1:
         dev = torch.device("cuda", local_rank)
         torch.cuda.set_device(dev)
+    compute = pick_dtype(dtype, dev)
     cfg = ExtractConfig(
         synth=sds.ref, model=str(model), backend=backend, layers=layers, num_layers=num_layers, hidden_size=hidden,
         vocab_size=vocab, aux_dtype=aux_dtype, teacher=teacher, topk=topk if teacher == "topk" else 0,
         shard_samples=shard_samples, shard_tokens=0, num_shards=0, batch_tokens=batch_tokens,
-        dtype=pick_dtype(dtype, dev), attn=pick_attn(attn, dev), device_map=device_map,
+        dtype=compute, attn=pick_attn(attn, dev, compute), device_map=device_map,
         trust_remote_code=trust_remote_code)
     bpt = bytes_per_token(cfg)
     cfg.shard_tokens = max(1, shard_mb * (1 << 20) // bpt)
@@ -248,7 +253,13 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         # gloo, only for the final barrier: ranks may end hours apart, past NCCL's default timeout.
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
 
-    stats = _extract(cfg, dev, ds, plan, todo, samples_path, tokens, progress) if todo else {"tokens": 0}
+    try:
+        stats = _extract(cfg, dev, ds, plan, todo, samples_path, tokens, progress) if todo else {"tokens": 0}
+    except KeyboardInterrupt:
+        kept = sum((ds.path / shard_name(j)).exists() for j in mine)
+        log(f"interrupted: {kept} of {len(mine)} shards of this worker are saved in {ds.path}; "
+            f"rerun the same command to resume")
+        raise SystemExit(130) from None
     stats |= {"worker": worker, "workers": workers, "host": socket.gethostname(), "shards": len(todo),
               "wall_s": round(time.monotonic() - t_start, 2)}
     if todo:
@@ -308,6 +319,7 @@ def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, tod
                 bar.update(n)
             writer.put(sw.commit)
         writer.close()
+        compute = time.monotonic() - t0  # not counting the backend's shutdown below
     except BaseException:
         bar.close()
         try:
@@ -321,7 +333,6 @@ def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, tod
         signal.signal(signal.SIGTERM, old_term)
         bar.close()
         backend.close()
-    compute = time.monotonic() - t0
     return {"tokens": done, "compute_s": round(compute, 3), "tokens_per_s": round(done / compute, 1),
             "pad_fraction": round(1 - done / padded, 4) if padded and cfg.backend == "hf" else 0.0}
 

@@ -14,7 +14,7 @@ token budget per step and a shard's bytes may differ in the last bits from an hf
 
 from __future__ import annotations
 
-import os
+import importlib.util
 import shutil
 import tempfile
 import time
@@ -73,7 +73,7 @@ def _topk(flat: Any, positions: range | list[int], k: int) -> tuple[list[list[in
     for p in positions:
         s, e = flat.start_indices[p], flat.end_indices[p]
         best: dict[int, tuple[int, float]] = {}
-        for tok, lp, rank in zip(flat.token_ids[s:e], flat.logprobs[s:e], flat.ranks[s:e]):
+        for tok, lp, rank in zip(flat.token_ids[s:e], flat.logprobs[s:e], flat.ranks[s:e], strict=True):
             if rank is not None and rank <= k:
                 best[tok] = (rank, lp)
         top = sorted(best.items(), key=lambda kv: (kv[1][0], -kv[1][1]))[:k]
@@ -84,14 +84,18 @@ def _topk(flat: Any, positions: range | list[int], k: int) -> tuple[list[list[in
     return ids, lps
 
 
+def require_vllm() -> None:
+    """Refuse early, before anything is written, when this Python has no vLLM."""
+    if importlib.util.find_spec("vllm") is None:
+        raise DatasetError("--backend vllm needs vLLM in this Python; run eyas-extract with the Python that has it "
+                           "(locally `.venv-vllm/bin/python -m eyas_extract.cli run ...`, which `make extract "
+                           "BACKEND=vllm` does), or use --backend hf")
+
+
 class VLLMBackend:
     def __init__(self, cfg: ExtractConfig, max_len: int):
-        try:
-            from vllm import LLM
-        except ImportError:
-            raise DatasetError("--backend vllm needs vLLM in this Python; run eyas-extract with the Python that "
-                               "has it (locally `.venv-vllm/bin/python -m eyas_extract.cli run ...`, which "
-                               "`make extract BACKEND=vllm` does), or use --backend hf") from None
+        from vllm import LLM
+
         self.cfg = cfg
         # vLLM returns the states in layer order, once per id: ask for the sorted ids, pick ours after.
         ids = sorted(set(cfg.layers) | ({cfg.num_layers} if cfg.teacher == "final" else set()))
@@ -99,6 +103,7 @@ class VLLMBackend:
         self.final_at = ids.index(cfg.num_layers) if cfg.teacher == "final" else None
         self.norm = load_final_norm(cfg) if cfg.teacher == "final" else None
         self.spool = Path(tempfile.mkdtemp(prefix="eyas-spool-"))
+        self.requests = 0
         on_gpu = torch.cuda.is_available()
         self.llm = LLM(
             model=cfg.model,
@@ -113,6 +118,8 @@ class VLLMBackend:
             kv_transfer_config={"kv_connector": CONNECTOR, "kv_connector_module_path": CONNECTOR_MODULE,
                                 "kv_role": "kv_producer", "kv_connector_extra_config": {"spool": str(self.spool)}},
         )
+        for _ in self.extract([[0] * 8], [[0]]):  # the first step pays one-time set-up: not in the shards' time
+            pass
 
     def extract(self, tokens: list[list[int]], batches: list[list[int]]
                 ) -> Iterator[tuple[list[int], dict[str, torch.Tensor]]]:
@@ -120,7 +127,8 @@ class VLLMBackend:
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        keys = [f"{os.getpid()}-{k}" for k in range(len(tokens))]
+        keys = [str(self.requests + k) for k in range(len(tokens))]  # unique names in the spool
+        self.requests += len(tokens)
         want = self.cfg.topk if self.cfg.teacher == "topk" else None
         params = [SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=want, logprobs=want,
                                  flat_logprobs=True, detokenize=False,

@@ -36,7 +36,7 @@ NAME_MAP: dict[str, str] = {
     "layer.mlp.w_down.weight": "midlayer.mlp.down_proj.weight",
     "norm.weight": "norm.weight",
     "lm_head.weight": "lm_head.weight",
-    "d2t": "d2t",
+    "d2t": "d2t",  # left out with the identity map (exported_tensors)
     "t2d": "t2d",
 }
 # Kept out of the file: the frozen target embedding, which the servers take from the target itself.
@@ -45,14 +45,26 @@ NOT_EXPORTED = frozenset({"embed.weight"})
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
+def full_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
+    """The draft vocabulary is the whole target vocabulary, in order (the identity map)."""
+    return d2t.numel() == t2d.numel() and not d2t.any()
+
+
 def exported_tensors(state: dict[str, torch.Tensor], dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Internal state dict -> exported tensors; refuses a name the map does not know, or a missing one."""
+    """Internal state dict -> exported tensors; refuses a name the map does not know, or a missing one.
+
+    With the identity vocabulary map d2t and t2d are left out: vLLM builds no d2t parameter when the
+    draft vocabulary equals the target's and refuses to load one; SGLang then uses the full vocabulary.
+    """
     unknown = sorted(set(state) - set(NAME_MAP) - NOT_EXPORTED)
     missing = sorted(set(NAME_MAP) - set(state))
     if unknown or missing:
         raise KeyError(f"draft state does not match NAME_MAP: unknown {unknown}, missing {missing}")
+    skip = {"d2t", "t2d"} if full_vocab(state["d2t"], state["t2d"]) else set()
     out = {}
     for name, new in NAME_MAP.items():
+        if name in skip:
+            continue
         t = state[name].detach().cpu()
         out[new] = (t.to(dtype) if t.is_floating_point() else t).contiguous()
     return out
@@ -128,5 +140,8 @@ def load_draft(folder: Path, model: str | Path) -> tuple[Eagle3Draft, list[int]]
     draft = Eagle3Draft(cfg)
     state = imported_state(load_file(str(Path(folder) / WEIGHTS_FILE)))
     state["embed.weight"] = load_embedding(model)
+    if "d2t" not in state:  # the identity map (see exported_tensors)
+        state["d2t"] = torch.zeros(cfg.draft_vocab_size, dtype=torch.long)
+        state["t2d"] = torch.ones(cfg.vocab_size, dtype=torch.bool)
     draft.load_state_dict({k: (v.float() if v.is_floating_point() else v) for k, v in state.items()})
     return draft.eval(), aux_ids

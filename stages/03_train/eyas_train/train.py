@@ -15,6 +15,7 @@ import json
 import math
 import os
 import random
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -32,11 +33,16 @@ from eyas_train.data import HiddenShards, global_batches, prefetch, rank_share
 from eyas_train.export import write_draft
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
-from eyas_train.target import Teacher, load_embedding, load_lm_head, text_config
+from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight, text_config
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
 CKPT_DIR, LOG_FILE, PLOT_FILE = "checkpoints", "train_log.jsonl", "training.png"
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr that does not break the progress bar."""
+    tqdm.write(f"[eyas-train] {msg}", file=sys.stderr)
 
 
 def draft_config(target: dict[str, Any], hidden_size: int, vocab_size: int, n_aux: int, draft_vocab: int,
@@ -179,11 +185,16 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
     draft.init_weights(cfg.seed)
+    lm_head = load_lm_head(cfg.model)
     with torch.no_grad():
         draft.embed.weight.copy_(load_embedding(cfg.model))
         draft.d2t.copy_(vocab.d2t)
         draft.t2d.copy_(vocab.t2d)
-    teacher = Teacher(vocab, load_lm_head(cfg.model) if shards.teacher == "final" else None, d.device)
+        # The output end starts as the target's own (its final norm, its lm_head rows of the draft vocab):
+        # the layer then only has to produce a state like the target's last residual stream.
+        draft.norm.weight.copy_(load_weight(cfg.model, "model.norm.weight"))
+        draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target])
+    teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
     module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
     trainable = [p for p in module.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
@@ -205,7 +216,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
                   "teacher": shards.teacher, "steps_per_epoch": per_epoch, "total_steps": total}
     if d.main:
         _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, start)
-        tqdm.write(f"[eyas-train] {len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} "
+        say(f"{len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} "
                    f"steps on {d.world} process(es), {d.device}; draft vocab {vocab.d2t.numel()} of {vocab_size} "
                    f"covers {vocab.coverage:.2%} of masked tokens ({vocab.distinct} distinct)"
                    + (f"; resuming at step {start}" if start else ""))
@@ -245,7 +256,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
             if d.main:
                 log.write(last)
                 bar.set_postfix_str(_short(last))
-                tqdm.write(f"[eyas-train] step {done}/{total} " + _short(last) + f" {last['tokens_per_s']:.0f} tok/s")
+                say(f"step {done}/{total} " + _short(last) + f" {last['tokens_per_s']:.0f} tok/s")
             window.zero_()
             tokens, t_window = 0, time.monotonic()
         if done % cfg.ckpt_every == 0 or done == total:
@@ -264,7 +275,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
             "vocab_coverage": vocab.coverage, "distinct_tokens": vocab.distinct,
             "draft_vocab": vocab.d2t.numel(), "final": last or _last_record(out.path / LOG_FILE)},
             records={LOG_FILE: total // cfg.log_every + (total % cfg.log_every > 0)})
-        tqdm.write(f"[eyas-train] wrote {out.path} ({time.monotonic() - t_start:.0f}s)")
+        say(f"wrote {out.path} ({time.monotonic() - t_start:.0f}s)")
     parallel.barrier(d)
     return out.path
 
@@ -353,7 +364,7 @@ def export_checkpoint(name: str, *, step: int | None = None, out: str | None = N
         else:
             m["stats"] = stats
             src.write_manifest(m)
-            tqdm.write(f"[eyas-train] exported step {chosen} of {p['total_steps']} into {src.ref}; it stays partial "
+            say(f"exported step {chosen} of {p['total_steps']} into {src.ref}; it stays partial "
                        f"(training unfinished): use --out NAME for a complete snapshot")
     else:
         snap = new_manifest("drafts", stage="03_train", target=m.get("target"),
