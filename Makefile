@@ -23,14 +23,17 @@ SYNTH        ?=
 HIDDEN       ?=
 EXTRACT_ARGS ?=
 TRAIN_ARGS   ?=
+BACKEND      ?= hf
 NPROC        ?= 1
 PYTEST_ARGS ?=
 
 STAGES := $(wildcard stages/*/pyproject.toml)
 PY     := $(VENV)/bin/python
+# extraction: hf in .venv (torchrun when NPROC > 1); vllm in .venv-vllm with the eyas packages from this checkout
+EXTRACT := $(if $(filter vllm,$(BACKEND)),PYTHONPATH=$(CURDIR)/common:$(CURDIR)/stages/02_extract $(VLLM_VENV)/bin/python -m eyas_extract.cli,$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_extract.cli,$(VENV)/bin/eyas-extract))
 
 help: ## list targets and their knobs
-	@grep -E '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-14s\033[0m %s\n", $$1, $$2}'
+	@grep -E '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-17s\033[0m %s\n", $$1, $$2}'
 	@echo "  knobs: N PROMPTS SERVER MODEL NAME MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS EYAS_DATA=$(EYAS_DATA)"
 
 install: $(VENV)/.installed ## create .venv (CPU torch 2.13.0, common, every stage, test deps)
@@ -64,10 +67,12 @@ synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... 
 	  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(SYNTH_ARGS)
 	$(VENV)/bin/eyas-synth validate $(NAME)
 
-extract: install ## stage 02: make extract SYNTH=synth/NAME MODEL=... NAME=... [NPROC=8] [EXTRACT_ARGS=...]
-	@test -n "$(SYNTH)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name" >&2; exit 2; }
-	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_extract.cli,$(VENV)/bin/eyas-extract) \
-	  run --synth $(SYNTH) --model $(MODEL) --name $(NAME) $(EXTRACT_ARGS)
+extract: install $(if $(filter vllm,$(BACKEND)),vllm) ## stage 02: make extract SYNTH=synth/NAME MODEL=... NAME=... [BACKEND=hf|vllm] [NPROC=8] [EXTRACT_ARGS=...]
+	@test -n "$(SYNTH)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8']" >&2; exit 2; }
+	$(EXTRACT) run --synth $(SYNTH) --model $(MODEL) --name $(NAME) --backend $(BACKEND) $(EXTRACT_ARGS)
+
+extract-finalize: install ## stage 02: mark hidden/NAME complete once every --shard I/N part has run
+	$(VENV)/bin/eyas-extract finalize $(NAME)
 
 train: install ## stage 03: make train HIDDEN=hidden/NAME MODEL=... NAME=... [NPROC=8] [TRAIN_ARGS=...]
 	@test -n "$(HIDDEN)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name" >&2; exit 2; }
@@ -76,6 +81,9 @@ train: install ## stage 03: make train HIDDEN=hidden/NAME MODEL=... NAME=... [NP
 
 bench-synth: install ## benchmark the synth client against a zero-latency local server
 	$(PY) bench/synth_client.py
+
+bench-extract: install ## extraction tokens/s vs a bare forward, bytes/token vs the bf16 layout (CPU fixture)
+	$(PY) bench/extract.py
 
 datasets: install ## list datasets under EYAS_DATA
 	$(VENV)/bin/eyas-data list
@@ -86,4 +94,4 @@ rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help install vllm test demo synth extract train bench-synth datasets rm-data clean
+.PHONY: help install vllm test demo synth extract extract-finalize train bench-synth bench-extract datasets rm-data clean

@@ -1,6 +1,6 @@
 """make demo: the pipeline end to end on the tiny fixture target, on CPU, with real vLLM.
 
-fixture target -> vLLM server -> 01 synth -> validate -> (each later stage as it lands).
+fixture target -> vLLM server -> 01 synth -> validate -> 02 extract -> 03 train -> eval in vLLM.
 Data goes to $EYAS_DATA (make demo sets ./data/demo); rerunning resumes every stage.
 """
 
@@ -15,6 +15,7 @@ from eyas_common.fixture import build_fixture, write_prompts_jsonl
 from eyas_common.servers import running_vllm
 from eyas_synth.run import run as synth
 from eyas_synth.validate import validate
+from eyas_extract.run import run as extract
 
 ROOT = Path(__file__).parent
 N_SAMPLES = int(os.environ.get("DEMO_N", "256"))
@@ -45,6 +46,9 @@ def main() -> None:
     print(f"{report['samples']} samples, {len(report['bad'])} unsound", file=sys.stderr)
     if report["bad"]:
         raise SystemExit(f"validation failed: {report['bad'][:3]}")
+
+    step("02 extract: aux hidden states (layers 2, L//2, L-3) + final state, hf backend")
+    extract(synth="synth/demo", model=target, name="demo")
 
     step(f"done in {time.monotonic() - t0:.0f} s; datasets under {data} (eyas-data list)")
 

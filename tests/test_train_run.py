@@ -114,7 +114,7 @@ def run_cli(args: list[str], root: Path, procs: int = 1) -> subprocess.Completed
     if procs == 1:
         full = [str(BIN / "eyas-train"), *args]
     else:
-        full = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={procs}", "-m", "eyas_train.cli", *args]
+        full = [str(BIN / "torchrun"), "--standalone", f"--nproc-per-node={procs}", "-m", "eyas_train", *args]
     return subprocess.run(full, env=env_for(root), capture_output=True, text=True, timeout=600)
 
 

@@ -55,7 +55,7 @@ def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=cfg.attn, **kwargs)
     except (ValueError, ImportError) as e:
         # Remote-code models often support neither flash-attn nor sdpa through transformers.
-        if cfg.attn == "eager":
+        if cfg.attn == "eager" or "attention" not in str(e).lower():
             raise
         print(f"[extract] attention {cfg.attn} unavailable for this model ({e}); using eager", file=sys.stderr)
         cfg.attn = "eager"

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -59,14 +58,6 @@ def barrier(d: Dist) -> None:
         dist.barrier()
 
 
-def broadcast_object(obj: Any, d: Dist) -> Any:
-    if not d.distributed:
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def wrap(module: nn.Module, d: Dist, mode: str) -> nn.Module:
     """DDP or FSDP2 around the unrolled-loss module (one forward per optimiser step either way).
 
@@ -92,18 +83,17 @@ def wrap(module: nn.Module, d: Dist, mode: str) -> nn.Module:
     raise ValueError(f"unknown parallel mode {mode!r}: ddp or fsdp")
 
 
-def _options(full_load: bool = False) -> StateDictOptions:
-    return StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True,
-                            broadcast_from_rank0=full_load)
-
-
 def state_dicts(module: nn.Module, opt: torch.optim.Optimizer) -> tuple[dict, dict]:
-    """Full (unsharded) model and optimiser state on CPU, collective on every rank (FSDP gathers)."""
-    return get_model_state_dict(module, options=_options()), get_optimizer_state_dict(module, opt, options=_options())
+    """Full (unsharded) model and optimiser state on CPU, without the frozen embedding; collective on
+    every rank (FSDP gathers the shards). The same layout whatever the wrapping, so a checkpoint
+    resumes under DDP, FSDP or one process alike."""
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True, ignore_frozen_params=True)
+    return get_model_state_dict(module, options=opts), get_optimizer_state_dict(module, opt, options=opts)
 
 
-def load_state_dicts(module: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict, d: Dist) -> None:
-    # Every rank read the same checkpoint file, so no broadcast is needed.
+def load_state_dicts(module: nn.Module, opt: torch.optim.Optimizer, model_sd: dict, opt_sd: dict) -> None:
+    # Every rank read the same checkpoint file, so no broadcast is needed; the frozen embedding was
+    # loaded from the target and is not in the checkpoint (strict=False).
     opts = StateDictOptions(full_state_dict=True, ignore_frozen_params=True, strict=False)
     set_model_state_dict(module, model_sd, options=opts)
     set_optimizer_state_dict(module, opt, opt_sd, options=opts)

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, check_target, finalize, fsync_dir,
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, check_target, finalize, fsync_dir,
                                   input_ref, iter_jsonl, new_manifest, open_input)
 from eyas_train import parallel
 from eyas_train.config import TrainConfig
@@ -166,6 +166,10 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
     hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
     vocab_size = int(params.get("vocab_size") or target["vocab_size"])
     shards = HiddenShards(hidden_ds.path)
+    width = shards.read(shards.samples[0], 1)["aux"].shape[-1]
+    if width != len(aux_layers) * hidden_size:
+        raise DatasetError(f"{hidden_ds.ref}: aux rows are {width} wide, but the manifest says {len(aux_layers)} "
+                           f"layers of {hidden_size}; rerun {REMAKE['hidden']}")
     if cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the {d.world} processes")
 
@@ -208,7 +212,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
 
     start = 0
     if ckpt is not None:
-        parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"], d)
+        parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"])
         sched.load_state_dict(ckpt["sched"])
         set_rng_state(ckpt["rng"])
         start = ckpt["step"]
