@@ -16,10 +16,9 @@ import argparse
 import time
 
 import torch
-import torch.nn.functional as F
 
 from eyas_train.model import DraftConfig, Eagle3Draft
-from eyas_train.ttt import ChainAttention, UnrolledLoss, step_counts
+from eyas_train.ttt import ChainAttention, UnrolledLoss, soft_cross_entropy, step_counts
 
 # Dense bf16 peaks (FLOP/s) by device-name fragment; --peak-tflops overrides.
 PEAKS = {"H200": 989e12, "H100": 989e12, "B200": 2250e12, "A100": 312e12, "L40S": 362e12, "RTX PRO 6000": 500e12,
@@ -96,7 +95,7 @@ def main() -> None:
     def bare_step() -> None:
         with autocast:
             out = draft.step(ids, draft.fuse(aux), torch.arange(t, device=device).expand(b, t), ChainAttention())
-            loss = -(target_p * F.log_softmax(draft.logits(out).float(), -1)).sum(-1).mean()
+            loss = soft_cross_entropy(draft.logits(out).float(), target_p).mean()
         loss.backward()
         draft.zero_grad(set_to_none=True)
 

@@ -204,3 +204,23 @@ def test_fp8_aux_is_dequantised(small, fixture_target, tmp_path):
     # e4m3 keeps 3 mantissa bits: relative error per element stays within about 2**-4 of the row scale.
     rel = (a - b).abs().view(a.shape[0], 3, -1).amax(-1) / a.abs().view(a.shape[0], 3, -1).amax(-1)
     assert rel.max() < 0.07
+
+
+def test_target_weights_are_read_alone(tmp_path):
+    """One tensor out of a sharded checkpoint, by suffix (wrappers prefix names); tied heads; clear errors."""
+    from eyas_train.target import load_embedding, load_weight
+
+    emb, head = torch.randn(10, 4), torch.randn(10, 4)
+    save_file({"language_model.model.embed_tokens.weight": emb, "language_model.model.norm.weight": torch.ones(4)},
+              str(tmp_path / "a.safetensors"))
+    save_file({"language_model.lm_head.weight": head}, str(tmp_path / "b.safetensors"))
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {
+        "language_model.model.embed_tokens.weight": "a.safetensors", "language_model.model.norm.weight": "a.safetensors",
+        "language_model.lm_head.weight": "b.safetensors"}}))
+    (tmp_path / "config.json").write_text(json.dumps({"text_config": {"vocab_size": 10, "tie_word_embeddings": False}}))
+    assert torch.equal(load_embedding(tmp_path), emb) and torch.equal(load_lm_head(tmp_path), head)
+    assert torch.equal(load_weight(tmp_path, "model.norm.weight"), torch.ones(4))
+    (tmp_path / "config.json").write_text(json.dumps({"tie_word_embeddings": True}))
+    assert torch.equal(load_lm_head(tmp_path), emb)
+    with pytest.raises(KeyError, match="no tensor named \\*rotary.weight"):
+        load_weight(tmp_path, "rotary.weight")

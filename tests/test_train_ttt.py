@@ -233,3 +233,25 @@ def test_config_keys(tmp_path):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert cfg["eagle_config"] == {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
     assert set(load_file(str(tmp_path / "model.safetensors"))) == EXPECTED
+
+
+def test_exported_draft_loads_back_identically(tmp_path):
+    """export -> load_draft (the eval's path) reproduces the module, embedding from the target's files."""
+    from safetensors.torch import save_file
+
+    from eyas_train.eval import propose
+    from eyas_train.export import load_draft
+
+    draft = tiny(seed=3).float()
+    target = tmp_path / "target"
+    target.mkdir()
+    save_file({"model.embed_tokens.weight": draft.embed.weight.detach().clone()}, str(target / "model.safetensors"))
+    (target / "config.json").write_text(json.dumps({"vocab_size": V, "dtype": "float32"}))
+    write_draft(tmp_path / "d", draft.state_dict(), draft.cfg, [2, 4, 5], {"dtype": "float32"})
+    back, aux_ids = load_draft(tmp_path / "d", target)
+    assert aux_ids == [2, 4, 5] and back.cfg == draft.cfg
+    for k, v in draft.state_dict().items():
+        assert torch.equal(back.state_dict()[k], v), k
+    g = torch.Generator().manual_seed(1)
+    ids, aux = torch.randint(1, V, (9,), generator=g), torch.randn(8, 48, generator=g)
+    assert propose(back, ids, aux, 3) == propose(draft, ids, aux, 3)

@@ -29,7 +29,6 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from eyas_train.model import Eagle3Draft, upcast
@@ -109,6 +108,12 @@ def step_counts(loss_mask: torch.Tensor, steps: int) -> torch.Tensor:
     return torch.stack([shift(loss_mask, 2 + k).sum() for k in range(steps)]).float()
 
 
+def soft_cross_entropy(logits: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """H(p, softmax(logits)) per row = sum(p) * logsumexp(logits) - <p, logits>; a row with no teacher
+    mass (top-K entirely outside the draft vocabulary) contributes 0."""
+    return p.sum(-1) * torch.logsumexp(logits, dim=-1) - (upcast(p) * logits).sum(-1)
+
+
 class UnrolledLoss(nn.Module):
     """The draft unrolled `steps` times over a padded batch; what DDP/FSDP wrap (one forward per step)."""
 
@@ -130,12 +135,15 @@ class UnrolledLoss(nn.Module):
         stats = []
         for k in range(self.steps):
             out = self.draft.step(shift(input_ids, 1 + k), hidden, positions + k, attend)
-            logits = upcast(self.draft.logits(out))
-            m = shift(mask_f, 2 + k)
-            ce = -(upcast(shift(target_p, 1 + k)) * F.log_softmax(logits, dim=-1)).sum(-1)
+            # Rows t < n have a teacher row t+1+k; the last 1+k rows of this step have none (mask 0), so the
+            # teachers are views target_p[:, 1+k:], never shifted copies of the [B, T, Vd] tensor.
+            n = t - 1 - k
+            logits = upcast(self.draft.logits(out[:, :n]))
+            m = shift(mask_f, 2 + k)[:, :n]
+            ce = soft_cross_entropy(logits, target_p[:, 1 + k:])
             ce_sum = (ce * m).sum()
             loss = loss + self.decay**k * ce_sum / denom[k].clamp(min=1)
-            hits = (self.draft.to_target_ids(logits.argmax(-1)) == shift(target_top, 1 + k)).to(m.dtype)
+            hits = (self.draft.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + k:]).to(m.dtype)
             stats.append(torch.stack([ce_sum.detach(), (hits * m).sum(), m.sum()]))
             hidden = out
         return loss, torch.stack(stats)
