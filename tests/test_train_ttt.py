@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 from eyas_train.eval import propose
 from eyas_train.export import NAME_MAP, NOT_EXPORTED, exported_tensors, hf_config, imported_state, write_draft
 from eyas_train.model import DraftConfig, Eagle3Draft
-from eyas_train.ttt import ChainAttention, UnrolledLoss, shift, step_counts
+from eyas_train.ttt import ChainAttention, UnrolledLoss, shift, step_counts, ttt_attention
 from eyas_train.vocab import build_vocab, count_tokens
 
 V, VD = 40, 24
@@ -110,10 +110,10 @@ def reference_loss(draft, steps, ids, aux, p, top, mask, decay=0.8):
     return total, stats
 
 
-@pytest.mark.parametrize("norm_before_residual", [False, True])
-def test_ttt_loss_and_grads_match_the_slow_reference(norm_before_residual):
-    steps = 4
-    ids, aux, p, top, mask = batch()
+@pytest.mark.parametrize("norm_before_residual,steps,lengths", [(False, 4, (9, 6, 1)), (True, 4, (9, 6, 1)),
+                                                                  (False, 7, (5, 3))])  # more steps than rows
+def test_ttt_loss_and_grads_match_the_slow_reference(norm_before_residual, steps, lengths):
+    ids, aux, p, top, mask = batch(lengths=lengths)
     fast = tiny(norm_before_residual)
     slow = tiny(norm_before_residual)
     loss, stats = UnrolledLoss(fast, steps)(ids, aux, p, top, mask, step_counts(mask, steps))
@@ -125,6 +125,37 @@ def test_ttt_loss_and_grads_match_the_slow_reference(norm_before_residual):
     for (name, a), b in zip(fast.named_parameters(), slow.parameters()):
         if a.requires_grad:
             assert torch.allclose(a.grad, b.grad, rtol=1e-8, atol=1e-12), name
+
+
+@pytest.mark.parametrize("tq", [7, 1])
+def test_fused_and_merged_attention_agree_with_the_dense_mask(tq):
+    """Both kernels (SDPA over the masked union, used on GPU; causal block + log-sum-exp merge, used on
+    CPU) equal the dense-mask reference, for training (Tq = T0) and the eval's last row (Tq = 1)."""
+    g = torch.Generator().manual_seed(3)
+    t0, steps = 7, 4
+    q = torch.randn(2, 4, tq, 8, generator=g, dtype=torch.double, requires_grad=True)
+    keys = [torch.randn(2, 2, t0 if j == 0 else tq, 8, generator=g, dtype=torch.double) for j in range(steps)]
+    vals = [torch.randn(2, 2, t0 if j == 0 else tq, 8, generator=g, dtype=torch.double) for j in range(steps)]
+    for i in range(1, steps + 1):
+        ref = DenseMaskAttention()
+        if tq == t0:
+            for k, v in zip(keys[:i], vals[:i]):
+                want = ref(q, k, v)
+        else:  # only the last row of the reference's full-width answer
+            full_q = torch.cat([torch.zeros(2, 4, t0 - tq, 8, dtype=torch.double), q], dim=2)
+            pad = [torch.cat([torch.zeros(2, 2, t0 - tq, 8, dtype=torch.double), x], 2) if j else x
+                   for j, x in enumerate(keys[:i])]
+            padv = [torch.cat([torch.zeros(2, 2, t0 - tq, 8, dtype=torch.double), x], 2) if j else x
+                    for j, x in enumerate(vals[:i])]
+            for k, v in zip(pad, padv):
+                want = ref(full_q, k, v)
+            want = want[:, :, -tq:]
+        merged = ttt_attention(q, keys[:i], vals[:i], fused=False)
+        fused = ttt_attention(q, keys[:i], vals[:i], fused=True)
+        assert torch.allclose(merged, want, atol=1e-12) and torch.allclose(fused, want, atol=1e-12), i
+        gm, = torch.autograd.grad(merged.square().sum(), q)
+        gf, = torch.autograd.grad(fused.square().sum(), q)
+        assert torch.allclose(gm, gf, atol=1e-10)
 
 
 def test_padding_does_not_leak_into_real_rows():

@@ -22,14 +22,19 @@ def main() -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Target folder: tokenizer, config.json and safetensors (embedding and lm_head are read alone).")
 @click.option("--name", required=True, help="Output draft dataset (drafts/NAME or NAME); rerun to resume it.")
-@click.option("--draft-vocab", default=D["draft_vocab"].default, help="Draft vocabulary size in tokens (capped at the target's).")
-@click.option("--ttt-steps", default=D["ttt_steps"].default, help="Unrolled draft steps per position (training-time test).")
+@click.option("--draft-vocab", default=D["draft_vocab"].default,
+              help="Draft vocabulary size in tokens (capped at the target's).")
+@click.option("--ttt-steps", default=D["ttt_steps"].default,
+              help="Unrolled draft steps per position (training-time test).")
 @click.option("--step-decay", default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
-@click.option("--epochs", default=D["epochs"].default, help="Passes over the hidden dataset.")
-@click.option("--batch-size", default=D["batch_size"].default, help="Samples per optimiser step, summed over all processes.")
+@click.option("--epochs", default=D["epochs"].default,
+              help="Passes over the hidden dataset; 0 exports the untrained draft (a baseline).")
+@click.option("--batch-size", default=D["batch_size"].default,
+              help="Samples per optimiser step, summed over all processes.")
 @click.option("--max-len", default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
 @click.option("--lr", default=D["lr"].default, help="AdamW peak learning rate.")
-@click.option("--warmup", default=D["warmup"].default, help="Share of steps warming up linearly; cosine decay to 0 after.")
+@click.option("--warmup", default=D["warmup"].default,
+              help="Share of steps warming up linearly; cosine decay to 0 after.")
 @click.option("--weight-decay", default=D["weight_decay"].default, help="AdamW weight decay.")
 @click.option("--grad-clip", default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,
@@ -69,9 +74,15 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--max-tokens", default=256, help="Max generated tokens per prompt.")
 @click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
 @click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch.")
+@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
+              help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance.")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here.")
 def eval_cmd(**kw) -> None:
     """Chain speculative decoding (greedy verification): acceptance length and per-position acceptance."""
     from eyas_train.eval import evaluate
 
     click.echo(json.dumps(evaluate(**kw), indent=2))
+
+
+if __name__ == "__main__":  # `torchrun -m eyas_train.cli run ...` (also `-m eyas_train`)
+    main()

@@ -50,7 +50,7 @@ def propose(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, k: int) ->
     """k chain proposals after `ids` [n] (target ids), given the target's aux states [n-1, 3H] of ids[:-1]."""
     t = ids.numel() - 2  # the root: the last position whose target states are known
     attend = ChainAttention()
-    positions = torch.arange(t + 1)[None]
+    positions = torch.arange(t + 1, device=ids.device)[None]
     out = draft.step(ids[None, 1:], draft.fuse(aux[None]), positions, attend)[:, -1:]
     token = draft.to_target_ids(draft.logits(out).argmax(-1))
     chain = [int(token)]
@@ -62,24 +62,28 @@ def propose(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, k: int) ->
 
 
 @torch.no_grad()
-def _target(model: Any, ids: list[int], aux_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Greedy next token at every position [n], and the aux states [n, 3H]."""
-    out = model(input_ids=torch.tensor([ids]), output_hidden_states=True, use_cache=False)
-    aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1).float()
-    return out.logits[0].argmax(-1), aux
+def _target(model: Any, ids: list[int], aux_ids: list[int], last: int,
+            device: torch.device) -> tuple[list[int], torch.Tensor]:
+    """Greedy next token at the `last` final positions, and the aux states of all positions [n, 3H] on
+    the draft's device (a target spread over GPUs returns its layers' states on their own devices)."""
+    out = model(input_ids=torch.tensor([ids], device=model.device), output_hidden_states=True, use_cache=False,
+                logits_to_keep=last)
+    aux = torch.cat([out.hidden_states[i][0].to(device) for i in aux_ids], dim=-1)
+    return out.logits[0].argmax(-1).tolist(), aux
 
 
 def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[int], eot: int, k: int,
               max_tokens: int) -> tuple[list[int], list[int]]:
     """Generate one answer; returns its tokens and the accepted count of every draft."""
-    greedy, aux = _target(model, prompt, aux_ids)
-    ids = prompt + [int(greedy[-1])]
+    device = draft.fc.weight.device
+    greedy, aux = _target(model, prompt, aux_ids, 1, device)
+    ids = prompt + greedy
     accepted: list[int] = []
     while ids[-1] != eot and len(ids) - len(prompt) < max_tokens:
         n = len(ids)
-        drafts = propose(draft, torch.tensor(ids), aux[: n - 1], k)
-        greedy, aux = _target(model, ids + drafts, aux_ids)
-        verified = greedy[n - 1:].tolist()  # the target's choice after ids, then after each proposal
+        drafts = propose(draft, torch.tensor(ids, device=device), aux[: n - 1], k)
+        # the target's choice after ids, then after each proposal
+        verified, aux = _target(model, ids + drafts, aux_ids, k + 1, device)
         a = 0
         while a < k and drafts[a] == verified[a]:
             a += 1
@@ -92,17 +96,21 @@ def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[i
 
 
 def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int = 3, max_tokens: int = 256,
-             thinking: bool = True, limit: int | None = None, out: Path | None = None,
+             thinking: bool = True, limit: int | None = None, dtype: str = "float32", out: Path | None = None,
              data_root: Path | None = None) -> dict[str, Any]:
-    """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL (fp32, CPU or GPU)."""
+    """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL, both in `dtype` (the
+    serving dtype, for agreement with a server), on the GPUs when there are any (device_map auto)."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.monotonic()
     ds, manifest = open_input(draft, "drafts", root=data_root)
     tok = load_tokenizer(model)
     check_target(ds, manifest, target_fingerprint(tok, model))
+    cuda = torch.cuda.is_available()
     module, aux_ids = load_draft(ds.path, model)
-    target = AutoModelForCausalLM.from_pretrained(str(model), dtype=torch.float32).eval()
+    module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
+    target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
+                                                  device_map="auto" if cuda else None).eval()
     conversations = load_prompt_file(prompts)[:limit]
     eot = ChatTokens.of(tok).end_of_turn
     counts: list[int] = []
@@ -115,7 +123,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
     drafts, acc = len(counts), sum(counts)
     result = {
         "draft": ds.ref, "model": str(model), "prompts": len(conversations), "spec_tokens": spec_tokens,
-        "max_tokens": max_tokens, "drafts": drafts, "draft_tokens": drafts * spec_tokens, "accepted": acc,
+        "max_tokens": max_tokens, "dtype": dtype, "drafts": drafts, "draft_tokens": drafts * spec_tokens, "accepted": acc,
         "acceptance_length": 1 + acc / drafts if drafts else None,
         # share of drafts whose position i was accepted (vLLM: accepted_per_pos[i] / drafts)
         "per_position": [sum(c > i for c in counts) / drafts if drafts else None for i in range(spec_tokens)],

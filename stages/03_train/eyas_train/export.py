@@ -9,6 +9,7 @@ The weight names go through NAME_MAP, the one place that ties this package's mod
 from __future__ import annotations
 
 import json
+import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
-from eyas_common.contract import atomic_write, write_json_atomic
+from eyas_common.contract import fsync_dir, write_json_atomic
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.target import load_embedding
 
@@ -121,11 +122,13 @@ def write_draft(folder: Path, state: dict[str, torch.Tensor], cfg: DraftConfig, 
     """Write config.json and model.safetensors (each atomically), in the target's dtype."""
     dtype = getattr(torch, str(target.get("torch_dtype") or target.get("dtype") or "float32"))
     tensors = exported_tensors(state, dtype)
-    tmp = folder / f".{WEIGHTS_FILE}.tmp"
     folder.mkdir(parents=True, exist_ok=True)
+    tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
     save_file(tensors, str(tmp), metadata={"format": "pt"})
-    atomic_write(folder / WEIGHTS_FILE, tmp.read_bytes())
-    tmp.unlink()
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, folder / WEIGHTS_FILE)
+    fsync_dir(folder)
     write_json_atomic(folder / CONFIG_FILE, hf_config(cfg, aux_layer_ids, target, dtype))
 
 

@@ -84,11 +84,12 @@ class Rotary(nn.Module):
                              rope_parameters=params)
             inv, scale = ROPE_INIT_FUNCTIONS[kind](hf, None)
         self.scale = float(scale)
-        self.register_buffer("inv_freq", inv.float(), persistent=False)
+        # A plain attribute, not a buffer: Module.to(bfloat16) must not round the frequencies.
+        self.inv_freq = inv.float()
 
     def forward(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin [B, 1, T, D] for integer positions [B, T]."""
-        freqs = positions[..., None].float() * self.inv_freq
+        """cos, sin [B, 1, T, D] (fp32) for integer positions [B, T]."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None]
         return emb.cos() * self.scale, emb.sin() * self.scale
 
@@ -193,7 +194,3 @@ class Eagle3Draft(nn.Module):
                     p.fill_(1.0)
                 else:
                     p.copy_(torch.randn(p.shape, generator=g) * 0.02)
-
-    def trainable_state(self) -> dict[str, torch.Tensor]:
-        """Everything a checkpoint keeps of the module: trained weights, not the frozen embedding."""
-        return {k: v for k, v in self.state_dict().items() if k != "embed.weight"}

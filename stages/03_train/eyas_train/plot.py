@@ -27,7 +27,8 @@ def plot_log(log: Path, png: Path) -> Path:
     ax_acc.set(xlabel="optimiser step", ylabel="top-1 = target argmax", title="accuracy per TTT step", ylim=(0, 1))
     for ax in (ax_loss, ax_acc):
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
+        if records:
+            ax.legend(fontsize=7)
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)

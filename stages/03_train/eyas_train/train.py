@@ -210,20 +210,20 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
     total = cfg.epochs * per_epoch
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup))
 
-    start = 0
+    start, train_s = 0, 0.0  # train_s: loop time summed over all sessions of the run
     if ckpt is not None:
         parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"])
         sched.load_state_dict(ckpt["sched"])
         set_rng_state(ckpt["rng"])
-        start = ckpt["step"]
+        start, train_s = ckpt["step"], ckpt["train_s"]
     run_params = {"config": cfg.to_dict(), "draft": dcfg.__dict__, "aux_layers": aux_layers, "world": d.world,
                   "teacher": shards.teacher, "steps_per_epoch": per_epoch, "total_steps": total}
     if d.main:
         _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, start)
-        say(f"{len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} "
-                   f"steps on {d.world} process(es), {d.device}; draft vocab {vocab.d2t.numel()} of {vocab_size} "
-                   f"covers {vocab.coverage:.2%} of masked tokens ({vocab.distinct} distinct)"
-                   + (f"; resuming at step {start}" if start else ""))
+        say(f"{len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} steps on "
+            f"{d.world} process(es), {d.device}; draft vocab {vocab.d2t.numel()} of {vocab_size} covers "
+            f"{vocab.coverage:.2%} of masked tokens ({vocab.distinct} distinct)"
+            + (f"; resuming at step {start}" if start else ""))
     parallel.barrier(d)
 
     def plan():
@@ -238,7 +238,9 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
     log = JsonlAppender(out.path / LOG_FILE, sync_every=1) if d.main else None
     bar = tqdm(total=total, initial=start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
     module.train()
-    for step, batch in zip(range(start, total), prefetch(shards, plan(), cfg.max_len)):
+    t_loop = time.monotonic()
+    for step, batch in enumerate(prefetch(shards, plan(), cfg.max_len), start=start):
+        tokens += int(batch["length"].sum())
         batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
         target_p, target_top = teacher(batch)
         mask = batch["loss_mask"]
@@ -252,7 +254,6 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
         sched.step()
         opt.zero_grad(set_to_none=True)
         window += stats
-        tokens += int(batch["length"].sum())
         bar.update(1)
         done = step + 1
         if done % cfg.log_every == 0 or done == total:
@@ -264,8 +265,10 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
             window.zero_()
             tokens, t_window = 0, time.monotonic()
         if done % cfg.ckpt_every == 0 or done == total:
-            _checkpoint(out, module, opt, sched, cfg, vocab, done, per_epoch, d)
+            _checkpoint(out, module, opt, sched, cfg, vocab, done, per_epoch,
+                        train_s + time.monotonic() - t_loop, d)
     bar.close()
+    train_s += time.monotonic() - t_loop
 
     model_sd, _ = parallel.state_dicts(module, opt)
     if d.main:
@@ -275,11 +278,12 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
         plot_log(out.path / LOG_FILE, out.path / PLOT_FILE)
         m = out.read_manifest()
         finalize(out, m, stats={
-            "steps": total, "wall_s": round(time.monotonic() - t_start, 1),
+            "steps": total, "train_s": round(train_s, 1), "wall_s": round(time.monotonic() - t_start, 1),
             "vocab_coverage": vocab.coverage, "distinct_tokens": vocab.distinct,
             "draft_vocab": vocab.d2t.numel(), "final": last or _last_record(out.path / LOG_FILE)},
             records={LOG_FILE: total // cfg.log_every + (total % cfg.log_every > 0)})
-        say(f"wrote {out.path} ({time.monotonic() - t_start:.0f}s)")
+        say(f"wrote {out.path}: {train_s:.0f}s of training over all sessions, "
+            f"{time.monotonic() - t_start:.0f}s in this one")
     parallel.barrier(d)
     return out.path
 
@@ -331,12 +335,12 @@ def _last_record(log: Path) -> dict[str, Any] | None:
 
 
 def _checkpoint(out: Dataset, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, cfg: TrainConfig,
-                vocab: VocabMap, step: int, per_epoch: int, d: parallel.Dist) -> None:
+                vocab: VocabMap, step: int, per_epoch: int, train_s: float, d: parallel.Dist) -> None:
     model_sd, opt_sd = parallel.state_dicts(module, opt)  # collective under FSDP: every rank takes part
     if d.main:
         epoch, batch = divmod(step, per_epoch)
         save_checkpoint(out.path, {
-            "step": step, "epoch": epoch, "batch_in_epoch": batch, "config": cfg.to_dict(),
+            "step": step, "epoch": epoch, "batch_in_epoch": batch, "train_s": train_s, "config": cfg.to_dict(),
             "model": model_sd, "optim": opt_sd, "sched": sched.state_dict(), "rng": rng_state(),
             "vocab": {"d2t": vocab.d2t, "t2d": vocab.t2d, "coverage": vocab.coverage, "distinct": vocab.distinct},
         }, cfg.keep_ckpts)

@@ -29,57 +29,61 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from eyas_train.model import Eagle3Draft, upcast
-
-try:  # optional, CUDA only: the causal first-pass block through flash-attn (it returns the log-sum-exp)
-    from flash_attn import flash_attn_func as _flash
-except ImportError:
-    _flash = None
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def _causal_block(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Attention of queries [B, H, Tq, D] over step-0 keys [B, Hkv, T0, D], query r being row T0-Tq+r and
-    seeing rows <= its own. Returns the output and the log-sum-exp of its scores (fp32, [B, H, Tq])."""
-    if q.is_cuda and _flash is not None:
-        # flash-attn aligns the causal mask to the bottom right, the same convention when Tq < T0.
-        out, lse, _ = _flash(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
-                             return_attn_probs=True)
-        return out.transpose(1, 2), lse.float()
-    tq, t0 = q.shape[2], k.shape[2]
-    k, v = _expand_kv(k, q.shape[1]), _expand_kv(v, q.shape[1])
-    scores = upcast(q @ k.transpose(-1, -2)) / math.sqrt(q.shape[-1])
-    rows = torch.arange(t0 - tq, t0, device=q.device)[:, None]
-    scores = scores.masked_fill(torch.arange(t0, device=q.device)[None, :] > rows, float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = (torch.exp(scores - lse[..., None]).to(v.dtype)) @ v
-    return out, lse
+def ttt_mask(tq: int, t0: int, steps: int, device: torch.device | None = None) -> torch.Tensor:
+    """Which keys a query may see, [Tq, T0 + (steps-1) Tq] bool, for keys laid out as [step-0 rows ;
+    step-1 rows ; ...]: query r (row T0-Tq+r) sees step-0 rows <= its own, and row r of every later step."""
+    rows = torch.arange(t0 - tq, t0, device=device)[:, None]
+    causal = torch.arange(t0, device=device)[None, :] <= rows
+    own = torch.eye(tq, dtype=torch.bool, device=device)
+    return torch.cat([causal] + [own] * (steps - 1), dim=1)
 
 
-def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
-    """Step i = len(keys) - 1 of a chain: queries see keys[0] causally and keys[j] (j >= 1) on their own row.
-
-    The diagonal keys are merged into the causal block by log-sum-exp, so the step-0 block can be any
-    causal kernel: softmax over the union = exp(lse0 - lse) * out0 + sum_j exp(s_j - lse) * v_j.
-    """
+def _merged(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """O(T^2 + kT): the causal step-0 block, then the diagonal keys merged in by log-sum-exp,
+    softmax over the union = exp(lse0 - lse) * out0 + sum_j exp(s_j - lse) * v_j."""
     heads, scale = q.shape[1], 1.0 / math.sqrt(q.shape[-1])
-    out0, lse0 = _causal_block(q, keys[0], values[0])
+    tq, t0 = q.shape[2], keys[0].shape[2]
+    k0, v0 = _expand_kv(keys[0], heads), _expand_kv(values[0], heads)
+    scores = upcast(q @ k0.transpose(-1, -2)) * scale
+    scores = scores.masked_fill(~ttt_mask(tq, t0, 1, q.device), float("-inf"))
+    lse0 = torch.logsumexp(scores, dim=-1)
+    out = torch.exp(scores - lse0[..., None]).to(v0.dtype) @ v0
     if len(keys) == 1:
-        return out0
-    diag_k = [_expand_kv(k, heads) for k in keys[1:]]
-    diag_v = [_expand_kv(v, heads) for v in values[1:]]
-    s = torch.stack([upcast((q * k).sum(-1)) * scale for k in diag_k], dim=-1)   # [B, H, Tq, i]
+        return out
+    s = torch.stack([upcast((q * _expand_kv(k, heads)).sum(-1)) * scale for k in keys[1:]], dim=-1)  # [B, H, Tq, i]
     lse = torch.logaddexp(lse0, torch.logsumexp(s, dim=-1))
-    out = torch.exp(lse0 - lse)[..., None] * upcast(out0)
+    out = torch.exp(lse0 - lse)[..., None] * upcast(out)
     w = torch.exp(s - lse[..., None])
-    for j, v in enumerate(diag_v):
-        out = out + w[..., j, None] * upcast(v)
+    for j, v in enumerate(values[1:]):
+        out = out + w[..., j, None] * upcast(_expand_kv(v, heads))
     return out.to(q.dtype)
+
+
+def _fused(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+    """One SDPA call over all steps' keys with the explicit TTT mask: the memory-efficient kernel on GPU
+    never materialises the scores. flash-attn is not used: its backward drops the log-sum-exp gradient
+    that merging the diagonal keys into a causal block would need."""
+    mask = ttt_mask(q.shape[2], keys[0].shape[2], len(keys), q.device)
+    return F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2), attn_mask=mask,
+                                          enable_gqa=q.shape[1] != keys[0].shape[1])
+
+
+def ttt_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+                  fused: bool | None = None) -> torch.Tensor:
+    """Step i = len(keys) - 1 of a chain: queries [B, H, Tq, D] see keys[0] [B, Hkv, T0, D] causally (query r
+    is row T0-Tq+r) and keys[j] (j >= 1, [B, Hkv, Tq, D]) on their own row only. `fused` (default: on
+    GPU) picks the SDPA kernel over the masked union; otherwise the exact math of `_merged`."""
+    return (_fused if (q.is_cuda if fused is None else fused) else _merged)(q, keys, values)
 
 
 class ChainAttention:
@@ -137,7 +141,7 @@ class UnrolledLoss(nn.Module):
             out = self.draft.step(shift(input_ids, 1 + k), hidden, positions + k, attend)
             # Rows t < n have a teacher row t+1+k; the last 1+k rows of this step have none (mask 0), so the
             # teachers are views target_p[:, 1+k:], never shifted copies of the [B, T, Vd] tensor.
-            n = t - 1 - k
+            n = max(0, t - 1 - k)
             logits = upcast(self.draft.logits(out[:, :n]))
             m = shift(mask_f, 2 + k)[:, :n]
             ce = soft_cross_entropy(logits, target_p[:, 1 + k:])
