@@ -79,11 +79,20 @@ train: install ## stage 03: make train HIDDEN=hidden/NAME MODEL=... NAME=... [NP
 	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_train.cli,$(VENV)/bin/eyas-train) \
 	  run --hidden $(HIDDEN) --model $(MODEL) --name $(NAME) $(TRAIN_ARGS)
 
+DRAFT      ?=
+EVAL_ARGS  ?=
+eval: install ## stage 03: offline acceptance: make eval DRAFT=drafts/NAME MODEL=... PROMPTS=heldout.jsonl
+	@test -n "$(DRAFT)" -a -n "$(MODEL)" -a -n "$(PROMPTS)" || { echo "usage: make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl" >&2; exit 2; }
+	$(VENV)/bin/eyas-train eval --draft $(DRAFT) --model $(MODEL) --prompts $(PROMPTS) --spec-tokens 3 $(EVAL_ARGS)
+
 bench-synth: install ## benchmark the synth client against a zero-latency local server
 	$(PY) bench/synth_client.py
 
 bench-extract: install ## extraction tokens/s vs a bare forward, bytes/token vs the bf16 layout (CPU fixture)
 	$(PY) bench/extract.py
+
+bench-train: install ## TTT training tokens/s vs a bare forward+backward of the draft (MFU on a GPU)
+	$(PY) bench/train.py
 
 datasets: install ## list datasets under EYAS_DATA
 	$(VENV)/bin/eyas-data list
@@ -94,4 +103,4 @@ rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help install vllm test demo synth extract extract-finalize train bench-synth bench-extract datasets rm-data clean
+.PHONY: help install vllm test demo synth extract extract-finalize train eval bench-synth bench-extract bench-train datasets rm-data clean

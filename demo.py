@@ -16,6 +16,8 @@ from eyas_common.servers import running_vllm
 from eyas_synth.run import run as synth
 from eyas_synth.validate import validate
 from eyas_extract.run import run as extract
+from eyas_train.eval import evaluate
+from eyas_train.train import run as train
 
 ROOT = Path(__file__).parent
 N_SAMPLES = int(os.environ.get("DEMO_N", "256"))
@@ -32,7 +34,7 @@ def main() -> None:
 
     step("fixture: tiny thinking target (cached after the first build)")
     target = build_fixture()
-    prompts = write_prompts_jsonl(data / "prompts.jsonl", N_SAMPLES, seed=1)
+    prompts = write_prompts_jsonl(data / "prompts.jsonl", N_SAMPLES, seed=0, split="train")
 
     step("vLLM: serving the target on 127.0.0.1 (start-up takes a minute or two on CPU)")
     with running_vllm(target, log_path=data / "vllm.log", timeout_s=600,
@@ -49,6 +51,17 @@ def main() -> None:
 
     step("02 extract: aux hidden states (layers 2, L//2, L-3) + final state, hf backend")
     extract(synth="synth/demo", model=target, name="demo")
+
+    step("03 train: EAGLE-3 draft with 7 TTT steps, the fixture recipe (a few minutes on CPU)")
+    draft = train(hidden="hidden/demo", model=target, name="demo", epochs=int(os.environ.get("DEMO_EPOCHS", "12")),
+                  batch_size=4, lr=3e-3, ttt_steps=7, draft_vocab=1024, log_every=100, ckpt_every=500)
+
+    step("03 eval: chain speculative decoding, greedy verification, 3 draft tokens, 40 held-out prompts")
+    heldout = write_prompts_jsonl(data / "heldout.jsonl", 40, seed=11)
+    report = evaluate(draft="drafts/demo", model=target, prompts=heldout, spec_tokens=3)
+    print(f"acceptance length {report['acceptance_length']:.2f}; draft in {draft} (vLLM: --speculative-config "
+          f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}')",
+          file=sys.stderr)
 
     step(f"done in {time.monotonic() - t0:.0f} s; datasets under {data} (eyas-data list)")
 
