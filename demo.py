@@ -56,8 +56,8 @@ def main() -> None:
     draft = train(hidden="hidden/demo", model=target, name="demo", epochs=int(os.environ.get("DEMO_EPOCHS", "12")),
                   batch_size=4, lr=3e-3, ttt_steps=7, draft_vocab=1024, log_every=100, ckpt_every=500)
 
-    step("03 eval: chain speculative decoding, greedy verification, 3 draft tokens, 40 held-out prompts")
-    heldout = write_prompts_jsonl(data / "heldout.jsonl", 40, seed=11)
+    step("03 eval: chain speculative decoding, greedy verification, 3 draft tokens, 10 held-out prompts")
+    heldout = write_prompts_jsonl(data / "heldout.jsonl", 10, seed=11)
     report = evaluate(draft="drafts/demo", model=target, prompts=heldout, spec_tokens=3)
     print(f"acceptance length {report['acceptance_length']:.2f}; draft in {draft} (vLLM: --speculative-config "
           f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}')",
