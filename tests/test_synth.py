@@ -19,7 +19,7 @@ from eyas_common.chat import target_fingerprint
 from eyas_common.fixture import write_prompts_jsonl
 from eyas_common.samples import validate_sample
 from eyas_synth.cli import main as synth_cli
-from eyas_synth.prompts import load_prompts
+from eyas_common.prompts import load_prompts
 from eyas_synth.run import run as synth
 from eyas_synth.stub import Faults, start_stub, vllm_body
 

@@ -19,7 +19,8 @@ import pytest
 from eyas_common.contract import Dataset
 from eyas_common.fixture import write_prompts_jsonl
 from eyas_common.servers import running_vllm
-from eyas_train.eval import evaluate, load_prompt_file
+from eyas_common.prompts import load_prompts
+from eyas_train.eval import evaluate
 from eyas_train.train import run as train
 
 from test_train_data import build_datasets
@@ -44,7 +45,7 @@ def vllm_acceptance(target: Path, draft: Path, prompts: Path, log: Path, *, max_
                     concurrency: int = 8) -> dict[str, Any]:
     """Serve target + draft on vLLM (eagle3, greedy), answer every prompt, and read the spec-decode counters."""
     spec = {"method": "eagle3", "model": str(draft), "num_speculative_tokens": SPEC_TOKENS}
-    conversations = load_prompt_file(prompts)
+    conversations = load_prompts(prompts)
     with running_vllm(target, log_path=log, timeout_s=900,
                       extra_args=["--speculative-config", json.dumps(spec)]) as server:
         def ask(messages: list[dict[str, Any]]) -> str:

@@ -28,7 +28,7 @@ from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, check_sc
                                   iter_jsonl, new_manifest, repair_jsonl, sha256_file)
 from eyas_common.samples import validate_sample
 from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy
-from eyas_synth.prompts import load_prompts
+from eyas_common.prompts import load_prompts
 
 SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
 # Params that define what a sample is: a resumed run must use the same ones.

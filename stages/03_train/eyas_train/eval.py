@@ -17,7 +17,6 @@ quadratic in length, meant for held-out sets of tens of prompts.
 
 from __future__ import annotations
 
-import json
 import time
 from pathlib import Path
 from typing import Any
@@ -27,22 +26,10 @@ from tqdm import tqdm
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
 from eyas_common.contract import check_target, open_input, write_json_atomic
+from eyas_common.prompts import load_prompts
 from eyas_train.export import load_draft
 from eyas_train.model import Eagle3Draft
 from eyas_train.ttt import ChainAttention
-
-
-def load_prompt_file(path: Path) -> list[list[dict[str, Any]]]:
-    """JSONL of OpenAI `{"messages": [...]}` (the fixture's and synth's prompt format), or plain text lines."""
-    out = []
-    for line in Path(path).read_text().splitlines():
-        if not line.strip():
-            continue
-        if line.lstrip().startswith("{"):
-            out.append(json.loads(line)["messages"])
-        else:
-            out.append([{"role": "user", "content": line.strip()}])
-    return out
 
 
 @torch.no_grad()
@@ -111,7 +98,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
     module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
                                                   device_map="auto" if cuda else None).eval()
-    conversations = load_prompt_file(prompts)[:limit]
+    conversations = load_prompts(prompts)[:limit]
     eot = ChatTokens.of(tok).end_of_turn
     counts: list[int] = []
     generated = 0
