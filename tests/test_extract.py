@@ -22,12 +22,12 @@ from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, rend
 from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, new_manifest, verify
 from eyas_common.fixture import build_deepseek_fixture, fixture_prompts
 from eyas_common.servers import default_vllm_python
-from eyas_extract.batching import make_batches, plan_shards, SampleRef
+from eyas_extract.batching import make_batches, plan_shards, SynthLine
 from eyas_extract.capture import encode, find_parts
 from eyas_extract.config import ExtractConfig
 from eyas_extract.hf_backend import pad_batch
 from eyas_extract.run import run as extract
-from eyas_extract.shards import ShardWriter, bytes_per_token, dequant_aux, open_hidden, shard_layout
+from eyas_common.hidden import ShardWriter, bytes_per_token, dequant_aux, open_hidden, shard_layout
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTH = "synth/fx"
@@ -167,7 +167,7 @@ def test_shard_writer_layout(tmp_path):
 
 
 def test_plan_and_batches():
-    refs = [SampleRef(i, n, 1, 0) for i, n in enumerate([5, 50, 7, 30, 30, 2, 90, 4])]
+    refs = [SynthLine(i, n, 1, 0) for i, n in enumerate([5, 50, 7, 30, 30, 2, 90, 4])]
     shards = plan_shards(refs, shard_samples=3, shard_tokens=80)
     assert [[r.id for r in s] for s in shards] == [[0, 1, 2], [3, 4, 5], [6], [7]]
     lengths = [5, 50, 7, 30, 30, 2, 90, 4]

@@ -1,8 +1,8 @@
-"""Stage 03 inputs: hidden shards built here from the fixture target with HF (stage 02's format), read
-back by eyas_train.data; the teacher from final states and from top-K; fp8 aux.
+"""Stage 03 inputs: hidden shards made by the real stage 02 from the fixture target, read back through
+eyas_common.hidden; the teacher from final states and from top-K; fp8 aux.
 
-The builders below are shared by the other test_train_* modules (and the training benchmark): greedy
-answers of the fixture target as a synth dataset, and its aux/final states as a hidden dataset.
+The builders below are shared by the other test_train_* modules: greedy answers of the fixture target
+as a synth dataset, and the real `eyas-extract run` over it as the hidden dataset.
 """
 
 from __future__ import annotations
@@ -16,9 +16,12 @@ import torch
 from safetensors.torch import save_file
 
 from eyas_common.chat import load_tokenizer, render_prompt, target_fingerprint
-from eyas_common.contract import Dataset, JsonlAppender, finalize, input_ref, iter_jsonl, new_manifest
+from eyas_common.contract import Dataset, JsonlAppender, finalize, iter_jsonl, new_manifest
 from eyas_common.fixture import fixture_prompts
-from eyas_train.data import HiddenShards, collate, global_batches, rank_share
+from eyas_common.hidden import open_hidden
+from eyas_common.samples import SAMPLES
+from eyas_extract.run import run as extract
+from eyas_train.data import collate, global_batches, rank_share, token_counts
 from eyas_train.target import Teacher, load_lm_head
 from eyas_train.vocab import build_vocab
 
@@ -63,62 +66,19 @@ def write_synth(root: Path, name: str, samples: list[dict[str, Any]], model_dir:
     ds.path.mkdir(parents=True, exist_ok=True)
     m = new_manifest("synth", stage="test", target=target_fingerprint(load_tokenizer(model_dir), model_dir),
                      inputs=[], params={"temperature": 0.0, "generator": "hf-greedy"})
-    with JsonlAppender(ds.path / "samples.jsonl") as w:
+    with JsonlAppender(ds.path / SAMPLES) as w:
         for s in samples:
             w.write(s)
-    finalize(ds, m, stats={"samples": len(samples)}, records={"samples.jsonl": len(samples)})
+    finalize(ds, m, stats={"samples": len(samples)}, records={SAMPLES: len(samples)})
     return ds
 
 
-@torch.no_grad()
-def extract_hidden(root: Path, name: str, synth: Dataset, model_dir: Path, *, layers: list[int] | None = None,
-                   teacher: str = "final", topk: int = 8, aux_dtype: str = "bfloat16",
-                   per_shard: int = 64) -> Dataset:
-    """Stage 02's hidden format from HF `output_hidden_states`: row t = states at position t."""
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    n_layers, hidden = model.config.num_hidden_layers, model.config.hidden_size
-    layers = layers or [2, n_layers // 2, n_layers - 3]
-    samples = [s for _, s in iter_jsonl(synth.path / "samples.jsonl")]
-    ds = Dataset.parse(name, "hidden", root)
-    ds.path.mkdir(parents=True, exist_ok=True)
-    for shard, i0 in enumerate(range(0, len(samples), per_shard)):
-        part = samples[i0:i0 + per_shard]
-        cols: dict[str, list[torch.Tensor]] = {}
-        for s in part:
-            ids = torch.tensor([s["input_ids"]])
-            hs = model.model(ids, output_hidden_states=True).hidden_states
-            row = {"aux": torch.cat([hs[k][0] for k in layers], dim=-1),
-                   "input_ids": ids[0].int(), "loss_mask": torch.tensor(s["loss_mask"], dtype=torch.uint8)}
-            final = hs[-1][0]  # transformers' last entry is the normed output (the lm_head's input)
-            if teacher == "final":
-                row["final"] = final.to(torch.bfloat16)
-            else:
-                lp = torch.log_softmax(model.lm_head(final), dim=-1).topk(topk)
-                row["topk_ids"], row["topk_logprobs"] = lp.indices.int(), lp.values.float()
-            for k, v in row.items():
-                cols.setdefault(k, []).append(v)
-        tensors = {k: torch.cat(v) for k, v in cols.items()}
-        aux = tensors["aux"]
-        if aux_dtype == "float8_e4m3fn":
-            x = aux.view(aux.shape[0], len(layers), hidden)
-            scale = x.abs().amax(-1).clamp(min=1e-8) / 448.0
-            tensors["aux"] = (x / scale[..., None]).to(torch.float8_e4m3fn).view(aux.shape[0], -1)
-            tensors["aux_scale"] = scale.float()
-        else:
-            tensors["aux"] = aux.to(getattr(torch, aux_dtype))
-        lengths = torch.tensor([len(s["input_ids"]) for s in part])
-        tensors["offsets"] = torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)])
-        tensors["sample_ids"] = torch.tensor([s["id"] for s in part], dtype=torch.long)
-        save_file(tensors, str(ds.path / f"shard-{shard:05d}.safetensors"))
-    m = new_manifest("hidden", stage="test", target=target_fingerprint(load_tokenizer(model_dir), model_dir),
-                     inputs=[input_ref(synth)],
-                     params={"model": str(model_dir), "layers": layers, "hidden_size": hidden,
-                             "vocab_size": model.config.vocab_size, "aux_dtype": aux_dtype, "teacher": teacher,
-                             "topk": topk if teacher == "topk" else None})
-    finalize(ds, m, stats={"samples": len(samples)})
-    return ds
+def extract_hidden(root: Path, name: str, synth: Dataset, model_dir: Path, *, teacher: str = "final", topk: int = 8,
+                   aux_dtype: str = "bf16", per_shard: int = 64) -> Dataset:
+    """The hidden dataset made by the real stage 02 (hf backend, CPU) from `synth`."""
+    extract(synth=synth.ref, model=model_dir, name=name, teacher=teacher, topk=topk, aux_dtype=aux_dtype,
+            shard_samples=per_shard, data_root=root, progress=False)
+    return Dataset.parse(name, "hidden", root)
 
 
 def build_datasets(root: Path, model_dir: Path, n: int, seed: int = 0, **extract: Any) -> Dataset:
@@ -145,15 +105,15 @@ def small(fixture_target, tmp_path_factory):
 
 def test_shards_read_back_the_samples(small, fixture_target):
     root, hidden = small
-    shards = HiddenShards(hidden.path)
-    synth = [s for _, s in iter_jsonl(root / "synth" / "fixture_12_3" / "samples.jsonl")]
+    shards = open_hidden(hidden.ref, root)
+    synth = [s for _, s in iter_jsonl(root / "synth" / "fixture_12_3" / SAMPLES)]
     assert len(shards) == 12 and len(shards.files) == 3 and shards.teacher == "final"
     for ref, s in zip(shards.samples, synth):
         row = shards.read(ref, max_len=10_000)
         assert row["input_ids"].tolist() == s["input_ids"] and row["loss_mask"].tolist() == s["loss_mask"]
         assert row["aux"].shape == (len(s["input_ids"]), 3 * 128) and row["final"].shape == (len(s["input_ids"]), 128)
     assert shards.read(shards.samples[0], max_len=7)["aux"].shape[0] == 7
-    counts = shards.token_counts(3000)
+    counts = token_counts(shards, 3000)
     assert int(counts.sum()) == sum(sum(s["loss_mask"]) for s in synth)
 
 
@@ -174,12 +134,12 @@ def test_batches_are_a_deterministic_partition():
 def test_teacher_final_and_topk_agree(small, fixture_target, tmp_path):
     """P_t from the final state through the lm_head equals P_t from stored top-K, within the top-K mass."""
     root, hidden = small
-    shards = HiddenShards(hidden.path)
+    shards = open_hidden(hidden.ref, root)
     synth = Dataset.parse("fixture_12_3", "synth", root)
-    topk = extract_hidden(tmp_path, "topk", synth, fixture_target, teacher="topk", topk=3000, per_shard=5)
-    top_shards = HiddenShards(topk.path)
+    topk = extract_hidden(root, "topk", synth, fixture_target, teacher="topk", topk=3000, per_shard=5)
+    top_shards = open_hidden(topk.ref, root)
     assert top_shards.teacher == "topk"
-    vocab = build_vocab(shards.token_counts(3000), 600)
+    vocab = build_vocab(token_counts(shards, 3000), 600)
     t = Teacher(vocab, load_lm_head(fixture_target), torch.device("cpu"))
     a = collate([shards.read(r, 10_000) for r in shards.samples[:3]])
     b = collate([top_shards.read(r, 10_000) for r in top_shards.samples[:3]])
@@ -196,10 +156,11 @@ def test_teacher_final_and_topk_agree(small, fixture_target, tmp_path):
 def test_fp8_aux_is_dequantised(small, fixture_target, tmp_path):
     root, hidden = small
     synth = Dataset.parse("fixture_12_3", "synth", root)
-    fp8 = extract_hidden(tmp_path, "fp8", synth, fixture_target, aux_dtype="float8_e4m3fn", per_shard=5)
-    assert json.loads((fp8.path / "manifest.json").read_text())["params"]["aux_dtype"] == "float8_e4m3fn"
-    a = HiddenShards(hidden.path).read(HiddenShards(hidden.path).samples[0], 10_000)["aux"].float()
-    b = HiddenShards(fp8.path).read(HiddenShards(fp8.path).samples[0], 10_000)["aux"]
+    fp8 = extract_hidden(root, "fp8", synth, fixture_target, aux_dtype="fp8", per_shard=5)
+    assert fp8.read_manifest()["params"]["aux_dtype"] == "fp8"
+    bf16, f8 = open_hidden(hidden.ref, root), open_hidden(fp8.ref, root)
+    a = bf16.read(bf16.samples[0], 10_000)["aux"].float()
+    b = f8.read(f8.samples[0], 10_000)["aux"]
     assert b.dtype == torch.float32 and a.shape == b.shape
     # e4m3 keeps 3 mantissa bits: relative error per element stays within about 2**-4 of the row scale.
     rel = (a - b).abs().view(a.shape[0], 3, -1).amax(-1) / a.abs().view(a.shape[0], 3, -1).amax(-1)

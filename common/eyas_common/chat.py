@@ -23,6 +23,11 @@ END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if not Path(model).is_dir():  # else transformers reads the path as a hub model id and tries to download it
+        from eyas_common.contract import DatasetError
+
+        raise DatasetError(f"--model {model}: no such folder; pass the local path of the target (a folder with "
+                           f"config.json and the tokenizer files). eyas never downloads models")
     return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
 
 

@@ -7,10 +7,11 @@ from pathlib import Path
 
 import click
 
+from eyas_common.cli_errors import EyasGroup
 from eyas_common.contract import Dataset, DatasetError, data_root, folder_bytes, list_datasets, remove, verify
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"]})
+@click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"]})
 def main() -> None:
     """Datasets live under $EYAS_DATA (default ./data) as KIND/NAME (kinds: synth, hidden, drafts, bench)."""
 
@@ -22,8 +23,8 @@ def list_cmd() -> None:
     if not rows:
         click.echo(f"no datasets under {data_root()}")
     for ds, m in rows:
-        status = m.get("status", "?") if m else "unreadable manifest"
-        schema = m.get("schema", "?") if m else "?"
+        status = str(m.get("status", "?")) if m else "unreadable manifest"
+        schema = str(m.get("schema", "?")) if m else "?"
         click.echo(f"{ds.ref:40s} {status:10s} {schema:16s} {folder_bytes(ds.path) / 1e6:10.1f} MB")
 
 
@@ -53,19 +54,19 @@ def verify_cmd(ref: str) -> None:
 def rm(ref: str, yes: bool) -> None:
     """Delete dataset REF (refuses anything outside the data root)."""
     ds = Dataset.parse(ref)
-    if not ds.path.exists():
+    if not ds.path.exists() and not ds.path.is_symlink():
         raise DatasetError(f"{ds.ref}: nothing at {ds.path}")
     if not yes:
-        click.confirm(f"delete {ds.path} ({folder_bytes(ds.path) / 1e6:.1f} MB)?", abort=True)
-    remove(ds)
-    click.echo(f"deleted {ds.path}")
+        what = "the link" if ds.path.is_symlink() else f"({folder_bytes(ds.path) / 1e6:.1f} MB)"
+        click.confirm(f"delete {ds.path} {what}?", abort=True)
+    click.echo(remove(ds))
 
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
 @click.option("--arch", type=click.Choice(["llama", "deepseek"]), default="llama", show_default=True,
               help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin.")
-@click.option("--seed", default=0, show_default=True)
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Weights seed.")
 def fixture(out: Path, arch: str, seed: int) -> None:
     """Build the tiny offline thinking target (cached by content hash) into OUT."""
     from eyas_common.fixture import build_deepseek_fixture, build_fixture
@@ -76,11 +77,15 @@ def fixture(out: Path, arch: str, seed: int) -> None:
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
-@click.option("--n", default=200, show_default=True, help="Number of prompts.")
-@click.option("--seed", default=1, show_default=True)
+@click.option("--n", type=click.IntRange(min=1), default=200, show_default=True, help="Number of prompts.")
+@click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True, help="Prompt draw seed.")
 def prompts(out: Path, n: int, seed: int) -> None:
     """Write N held-out fixture prompts (OpenAI `messages` JSONL), disjoint from its training data."""
     from eyas_common.fixture import write_prompts_jsonl
 
     write_prompts_jsonl(out, n, seed)
     click.echo(f"wrote {n} prompts to {out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -24,8 +24,6 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import click
-
 from eyas_common import __version__
 
 # Known kinds and the major schema version this code reads and writes.
@@ -40,8 +38,15 @@ REMAKE = {
 }
 
 
-class DatasetError(click.ClickException):
-    """A dataset that cannot be used as asked; the message names the dataset and the fix."""
+class DatasetError(Exception):
+    """A dataset that cannot be used as asked; the message names the dataset and the fix.
+
+    Plain (no click): library callers catch it; the CLIs print `message` as one line (eyas_common.cli_errors).
+    """
+
+    def __init__(self, message: str):
+        super().__init__(message)
+        self.message = message
 
 
 def data_root() -> Path:
@@ -89,12 +94,19 @@ class Dataset:
 
     def read_manifest(self) -> dict[str, Any]:
         try:
-            return json.loads(self.manifest_path.read_text())
+            manifest = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             raise DatasetError(f"{self.ref}: no {MANIFEST} at {self.path}; make it with {REMAKE[self.kind]}") from None
         except json.JSONDecodeError as e:
             raise DatasetError(f"{self.ref}: {self.manifest_path} is not valid JSON ({e}); "
                                f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
+        except UnicodeDecodeError:
+            raise DatasetError(f"{self.ref}: {self.manifest_path} is not UTF-8 text; "
+                               f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
+        if not isinstance(manifest, dict):
+            raise DatasetError(f"{self.ref}: {self.manifest_path} holds a JSON {type(manifest).__name__}, not an "
+                               f"object; delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}")
+        return manifest
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
         manifest["updated"] = now_iso()
@@ -155,45 +167,72 @@ def is_temp(path: Path) -> bool:
 # (killed mid-write) is cut off on open, so resume never reads half a record.
 
 
+def _last_line_start(f, end: int, chunk: int = 1 << 20) -> int:
+    """Offset just after the last b"\\n" before `end` (0 when there is none), read back in chunks."""
+    pos = end
+    while pos > 0:
+        step = min(chunk, pos)
+        f.seek(pos - step)
+        at = f.read(step).rfind(b"\n")
+        if at >= 0:
+            return pos - step + at + 1
+        pos -= step
+    return 0
+
+
 def repair_jsonl(path: Path) -> int:
-    """Truncate a torn or unparsable last line; return the number of bytes cut."""
+    """Truncate a torn or unparsable last line, whatever its size; return the number of bytes cut.
+
+    Only the last line is ever cut: every byte before the last complete record stays.
+    """
     if not path.exists():
         return 0
     size = path.stat().st_size
     if size == 0:
         return 0
     with open(path, "rb+") as f:
-        # Scan back from the end for the last newline: everything after it is a torn record.
-        block = min(size, 1 << 20)
-        f.seek(size - block)
-        tail = f.read(block)
-        if tail.endswith(b"\n"):
-            prev = tail.rfind(b"\n", 0, len(tail) - 1)
-            line = tail[prev + 1:-1]
+        f.seek(size - 1)
+        if f.read(1) == b"\n":
+            start = _last_line_start(f, size - 1)
+            f.seek(start)
             try:
-                json.loads(line)
+                json.loads(f.read(size - 1 - start))
                 return 0
-            except json.JSONDecodeError:
-                keep = size - len(line) - 1
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                keep = start
         else:
-            prev = tail.rfind(b"\n")
-            keep = (size - block + prev + 1) if prev >= 0 else 0
+            keep = _last_line_start(f, size)  # no newline at the end: the last record is torn
         f.truncate(keep)
         f.flush()
         os.fsync(f.fileno())
         return size - keep
 
 
-def iter_jsonl(path: Path) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) for each line; a malformed line raises naming file and line."""
+def iter_jsonl(path: Path, *, torn_end_ok: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for each line; a malformed line raises naming file and line.
+
+    torn_end_ok: skip an unparsable last line (what repair_jsonl would cut) instead of raising, to read
+    a file left by a killed writer without changing it.
+    """
     with open(path, "rb") as f:
+        pending: tuple[int, bytes, Exception] | None = None
         for lineno, line in enumerate(f, 1):
+            if pending is not None:
+                raise _malformed(path, *pending)
             if not line.strip():
                 continue
             try:
                 yield lineno, json.loads(line)
-            except json.JSONDecodeError as e:
-                raise DatasetError(f"{path}:{lineno}: malformed JSON record ({e.msg} at column {e.colno})") from None
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                pending = (lineno, line, e)
+        if pending is not None and not torn_end_ok:
+            raise _malformed(path, *pending)
+
+
+def _malformed(path: Path, lineno: int, line: bytes, e: Exception) -> DatasetError:
+    where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
+    what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
+    return DatasetError(f"{path}:{lineno}: malformed JSON record ({what}{where})")
 
 
 class JsonlAppender:
@@ -270,6 +309,37 @@ def producer_info(stage: str) -> dict[str, Any]:
     }
 
 
+def code_version() -> str | None:
+    """What code writes: the image tag ($EYAS_IMAGE_TAG) in images, else the checkout's git sha."""
+    return _git_sha()
+
+
+def add_producer(ds: Dataset, manifest: dict[str, Any], stage: str, *, allow_code_change: bool) -> None:
+    """Record this process as one more producer of a resumed dataset; refuse other code unless allowed.
+
+    Old and new samples made by different code in one dataset is how a mixed dataset happens, so a
+    resume by another version (git sha or image tag) needs --allow-code-change, and is then recorded.
+    """
+    producers = manifest.setdefault("producers", [manifest["producer"]] if manifest.get("producer") else [])
+    me = producer_info(stage)
+    before = {p.get("git") for p in producers}
+    if producers and me["git"] not in before and not allow_code_change:
+        raise DatasetError(f"{ds.ref} was written by code version {', '.join(sorted(map(str, before)))}, this is "
+                           f"{me['git']}: mixing outputs of two versions in one dataset is refused. Resume with the "
+                           f"version that started it, pick another --name, or pass --allow-code-change")
+    producers.append(me | {"started": now_iso()})
+
+
+def changed_params(old: dict[str, Any], new: dict[str, Any], *, may_change: tuple[str, ...]) -> list[str]:
+    """`key=old (now new)` for every param a resume may not change.
+
+    The one resume convention: a stage lists what MAY change; everything else must match, so a setting
+    added later is checked by default.
+    """
+    return [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in sorted(set(old) | set(new))
+            if k not in may_change and old.get(k) != new.get(k)]
+
+
 def input_ref(ds: Dataset) -> dict[str, str]:
     """Lineage entry for an input dataset: its ref and the sha256 of its manifest as read now."""
     return {"ref": ds.ref, "manifest_sha256": sha256_file(ds.manifest_path)}
@@ -281,6 +351,7 @@ def new_manifest(kind: str, *, stage: str, target: dict[str, Any] | None, inputs
         "schema": f"eyas.{kind}/{SCHEMAS[kind]}",
         "status": "partial",
         "producer": producer_info(stage),
+        "producers": [producer_info(stage) | {"started": now_iso()}],  # one entry per run that wrote into it
         "inputs": inputs,
         "target": target,
         "params": params,
@@ -388,23 +459,39 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
         kdir = root / kind
         if not kdir.is_dir():
             continue
-        for d in sorted(p for p in kdir.iterdir() if p.is_dir()):
+        for d in sorted(p for p in kdir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             ds = Dataset(root.absolute(), kind, d.name)
             try:
                 out.append((ds, ds.read_manifest()))
-            except DatasetError:
+            except (DatasetError, OSError):  # one bad dataset must not hide the others
                 out.append((ds, None))
     return out
 
 
-def remove(ds: Dataset) -> None:
-    """Delete a dataset folder, refusing anything that resolves outside the data root."""
+def remove(ds: Dataset) -> str:
+    """Delete a dataset folder; a symlink in its place is unlinked, never followed. Returns what was done."""
+    if ds.path.is_symlink():
+        # A link (e.g. an alias of another dataset): the link goes, whatever it points to stays.
+        points_to = os.readlink(ds.path)
+        ds.path.unlink()
+        return f"deleted the link {ds.path}; its target {points_to} is kept"
+    if not ds.path.is_dir():
+        raise DatasetError(f"{ds.ref}: {ds.path} is a file, not a dataset folder; remove it by hand if it is yours")
     root = ds.root.resolve()
     target = ds.path.resolve()
-    if root not in target.parents or target.parent.parent != root:
+    if target.parent.parent != root:
         raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
     shutil.rmtree(target)
+    lock_file(ds).unlink(missing_ok=True)
+    return f"deleted {target}"
+
+
+def lock_file(ds: Dataset, part: str = "") -> Path:
+    """The writer lock of a dataset (eyas_common.lock), beside its folder so the folder's bytes stay the data's."""
+    return ds.root / ds.kind / f".{ds.name}{'.' + part if part else ''}.lock"
 
 
 def folder_bytes(path: Path) -> int:
-    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file())
+    if Path(path).is_symlink():
+        return 0
+    return sum(p.stat().st_size for p in Path(path).rglob("*") if p.is_file() and not p.is_symlink())

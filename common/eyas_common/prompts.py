@@ -43,12 +43,20 @@ def load_prompts(path: Path) -> list[list[dict[str, str]]]:
     if not path.is_file():
         raise DatasetError(f"prompts file {path} does not exist")
     out = []
-    with open(path, encoding="utf-8") as f:
+    with open(path, "rb") as f:
         jsonl = path.suffix in (".jsonl", ".json")
-        for lineno, line in enumerate(f, 1):
+        for lineno, raw in enumerate(f, 1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise DatasetError(f"{where}: not UTF-8 text (byte {e.start + 1} of the line); a prompts file is "
+                                   f"JSONL or plain text, UTF-8") from None
+            if "\x00" in line:
+                raise DatasetError(f"{where}: holds NUL bytes (a binary file?); a prompts file is JSONL or plain "
+                                   f"text, UTF-8")
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             if jsonl:
                 try:
                     rec = json.loads(line)
@@ -56,7 +64,7 @@ def load_prompts(path: Path) -> list[list[dict[str, str]]]:
                     raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
                 out.append(_from_record(rec, where))
             else:
-                out.append([{"role": "user", "content": line.rstrip("\n")}])
+                out.append([{"role": "user", "content": line.rstrip("\r\n")}])
     if not out:
         raise DatasetError(f"prompts file {path} holds no prompts")
     return out

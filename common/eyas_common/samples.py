@@ -1,4 +1,15 @@
-"""Synth samples: the record every later stage trains on, and its structural validation.
+"""The synth dataset: its file names, the sample record every later stage trains on, its validation,
+and the shortfall a dataset may be accepted with.
+
+`synth/NAME/` holds:
+    samples.jsonl     the training samples, one per line, appended as they come
+    truncated.jsonl   length-truncated samples set aside by --drop-truncated (kept in samples by default)
+    rejected.jsonl    answers that failed structural validation, with the problems found
+    failures.jsonl    requests that failed after every retry (retried by the next run)
+    manifest.json     eyas.synth/1; params = the synth config; stats = counts; `missing` = what is short
+A sample id is its index i in [0, n); sample i answers prompt i mod #prompts. A dataset is complete
+when every id is answered (kept, set aside or rejected), or when the ids still missing are within
+the `--allow-missing` budget, which the manifest records and every consumer prints.
 
 One JSON object per line of `samples.jsonl`:
     id             int, unique in the dataset (sample i uses prompt i mod #prompts)
@@ -15,9 +26,38 @@ One JSON object per line of `samples.jsonl`:
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from eyas_common.chat import ChatTokens, render_prompt
+
+SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
+ANSWERED = (SAMPLES, TRUNCATED, REJECTED)  # files whose ids count as done: a rerun never asks for them again
+
+
+def parse_allow_missing(value: str | int | None) -> tuple[int, float]:
+    """`--allow-missing N` (samples) or `P%` (of those asked): (count, percent); one of them is 0."""
+    text = str(value if value is not None else 0).strip()
+    m = re.fullmatch(r"(\d+)(\.\d+)?(%?)", text)
+    if not m or (m.group(2) and not m.group(3)) or (m.group(3) and float(text[:-1]) > 100):
+        raise ValueError(f"{text!r}: expected a count of samples (e.g. 5) or a percentage 0-100 (e.g. 0.5%)")
+    return (0, float(text[:-1])) if m.group(3) else (int(text), 0.0)
+
+
+def missing_budget(value: str | int | None, asked: int) -> int:
+    """How many of `asked` samples may be missing under --allow-missing VALUE."""
+    count, pct = parse_allow_missing(value)
+    return count if not pct else int(asked * pct / 100)
+
+
+def shortfall_note(manifest: dict[str, Any]) -> str | None:
+    """The line consumers print when a complete synth dataset was accepted short of what was asked."""
+    short = (manifest.get("stats") or {}).get("missing") or []
+    if not short:
+        return None
+    asked = (manifest.get("params") or {}).get("n")
+    return (f"accepted with {len(short)} of {asked} samples missing (--allow-missing "
+            f"{(manifest.get('params') or {}).get('allow_missing')}); ids {short[:10]}{' ...' if len(short) > 10 else ''}")
 
 REQUIRED = {"id": int, "messages": list, "content": str, "input_ids": list, "loss_mask": list,
             "finish_reason": str, "source": str}

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import click
 
+from eyas_common.cli_errors import EyasGroup
 from eyas_synth.run import run as run_synth
 from eyas_synth.validate import validate as validate_synth
 
 PATH = click.Path(path_type=Path)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Stage 01: prompts -> served target (vLLM / SGLang) -> token-exact samples in $EYAS_DATA/synth/NAME."""
 
@@ -21,20 +22,33 @@ def main() -> None:
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
               help="JSONL of OpenAI `messages` or ShareGPT `conversations` (.jsonl), else plain text, one prompt per line.")
 @click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/synth/NAME (resumes it if present).")
-@click.option("--model", type=PATH, required=True, help="Local path of the target (its tokenizer checks and renders the token ids).")
+@click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
+              help="Local folder of the target (its tokenizer checks and renders the token ids); never a hub id.")
 @click.option("--server", "servers", multiple=True, required=True,
               help="Base URL of an OpenAI-compatible server, e.g. http://127.0.0.1:8000; repeat for several.")
-@click.option("--n", type=int, default=None, help="Samples to make; sample i answers prompt i mod #prompts.  [default: #prompts]")
-@click.option("--max-tokens", default=4096, help="Completion budget per sample, tokens.")
-@click.option("--temperature", default=0.6, help="Sampling temperature, sent explicitly (servers otherwise use generation_config).")
-@click.option("--top-p", default=0.95, help="Nucleus sampling p.")
+@click.option("--n", type=click.IntRange(min=1), default=None,
+              help="Samples to make (>= 1); sample i answers prompt i mod #prompts.  [default: #prompts]")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096,
+              help="Completion budget per sample, tokens; fitted to the server's max_model_len minus the prompt.")
+@click.option("--temperature", type=click.FloatRange(min=0), default=0.6,
+              help="Sampling temperature (>= 0), sent explicitly (servers otherwise use generation_config).")
+@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, help="Nucleus sampling p, in (0, 1].")
 @click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch (chat_template_kwargs).")
-@click.option("--seed", default=0, help="Per-request seed = seed * 1000003 + sample id.")
+@click.option("--seed", type=click.IntRange(min=0), default=0, help="Per-request seed = seed * 1000003 + sample id (>= 0).")
 @click.option("--drop-truncated/--keep-truncated", default=False,
               help="Length-truncated answers go to truncated.jsonl (drop) or stay in samples.jsonl (keep); counted either way.")
-@click.option("--concurrency", default=128, help="Requests in flight, all servers together.")
-@click.option("--timeout", "timeout_s", default=600.0, help="Per-request timeout, seconds.")
-@click.option("--max-attempts", default=8, help="Tries per request (backoff with jitter) before it is recorded as failed.")
+@click.option("--concurrency", type=click.IntRange(min=1), default=128, help="Requests in flight, all servers together (>= 1).")
+@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+              help="Per-request timeout, seconds (> 0).")
+@click.option("--max-attempts", type=click.IntRange(min=1), default=8,
+              help="Tries per request (backoff with jitter) before it is recorded as failed (>= 1).")
+@click.option("--allow-missing", default="0",
+              help="Samples that may be missing (failed) for the dataset to be complete: a count (5) or a percentage "
+                   "of --n (0.5%); recorded in the manifest and printed by later stages.")
+@click.option("--breaker", "breaker_s", type=click.FloatRange(min=0, min_open=True), default=120.0,
+              help="Stop the whole run when every server has failed for this long, seconds (> 0); rerun to resume.")
+@click.option("--allow-code-change", is_flag=True,
+              help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
 @click.option("--served-model", default=None, help="Model name to request.  [default: the server's first /v1/models entry]")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
@@ -45,7 +59,7 @@ def run(quiet: bool, **kwargs) -> None:
 @main.command()
 @click.argument("name")
 @click.option("--model", type=PATH, default=None, help="Target tokenizer path.  [default: the dataset's target]")
-@click.option("--show", default=20, help="Samples to list in the report (all are counted).")
+@click.option("--show", type=click.IntRange(min=0), default=20, help="Samples to list in the report (all are counted).")
 def validate(name: str, model: Path | None, show: int) -> None:
     """Check every sample of synth dataset NAME; exit 1 with a per-sample report if any is unsound."""
     report = validate_synth(name, model=model)
@@ -57,3 +71,7 @@ def validate(name: str, model: Path | None, show: int) -> None:
     click.echo(f"{name}: {report['samples']} samples, {len(bad)} unsound, status {report['status']}")
     if bad:
         raise SystemExit(1)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,10 +57,21 @@ class RetryPolicy:
 
 
 class RequestFailed(Exception):
-    def __init__(self, attempts: int, last_error: str) -> None:
+    """A request that failed for good; `kind` is its last failure's stats counter (http_4xx, timeouts, ...)."""
+
+    def __init__(self, attempts: int, last_error: str, kind: str = "failed") -> None:
         super().__init__(f"request failed after {attempts} attempt(s): {last_error}")
         self.attempts = attempts
         self.last_error = last_error
+        self.kind = kind
+
+
+class ServersDown(Exception):
+    """Every server has failed every attempt for `breaker_s` seconds: the whole run should stop."""
+
+    def __init__(self, seconds: float, last_error: str) -> None:
+        super().__init__(f"every server failed for {seconds:.0f} s; last error: {last_error}")
+        self.seconds, self.last_error = seconds, last_error
 
 
 class _Failure(Exception):
@@ -115,7 +126,8 @@ class ChatPool:
     """
 
     def __init__(self, servers: list[str], *, concurrency: int = 128, timeout_s: float = 600.0,
-                 retry: RetryPolicy = RetryPolicy(), api_key: str | None = None) -> None:
+                 retry: RetryPolicy = RetryPolicy(), api_key: str | None = None,
+                 breaker_s: float | None = None) -> None:
         if not servers:
             raise ValueError("ChatPool needs at least one server URL")
         if retry.max_attempts < 1:
@@ -130,6 +142,10 @@ class ChatPool:
         self.stats: dict[str, int] = dict.fromkeys(STATS, 0)
         self._ssl: Any = None
         self._slots: asyncio.Semaphore | None = None
+        # Circuit breaker: when no attempt on any server has succeeded for breaker_s seconds since the
+        # first failure, every request raises ServersDown instead of retrying (None: never).
+        self.breaker_s = breaker_s
+        self._failing_since: float | None = None
 
     async def __aenter__(self) -> ChatPool:
         self._ssl = httpx.create_ssl_context()
@@ -179,17 +195,32 @@ class ChatPool:
             except _Failure as f:
                 self.stats[f.kind] += 1
                 error = f"{f} ({server.base})"
+                down_for = self._down_for() if f.retryable and f.kind != "http_429" else 0.0  # 4xx, 429: it is up
+                if self.breaker_s is not None and down_for >= self.breaker_s:
+                    self.stats["failed"] += 1
+                    raise ServersDown(down_for, error) from None
                 if not f.retryable or attempt == self.retry.max_attempts:
                     self.stats["failed"] += 1
-                    raise RequestFailed(attempt, error) from None
+                    raise RequestFailed(attempt, error, f.kind) from None
                 self._failed(server)
                 self.stats["retries"] += 1
                 cap = self.retry.max_backoff_s
-                await asyncio.sleep(max(self.retry.delay(attempt), min(f.retry_after, cap)))
+                wait = max(self.retry.delay(attempt), min(f.retry_after, cap))
+                if self.breaker_s is not None:  # wake up in time to trip the breaker, not a backoff later
+                    wait = min(wait, max(0.05, self.breaker_s - down_for))
+                await asyncio.sleep(wait)
                 continue
             server.failures = 0
+            self._failing_since = None
             return data, server.base
         raise AssertionError("unreachable: the last attempt returns or raises")
+
+    def _down_for(self) -> float:
+        """Seconds since the first failed attempt with no success after it (0 while things work)."""
+        now = asyncio.get_running_loop().time()
+        if self._failing_since is None:
+            self._failing_since = now
+        return now - self._failing_since
 
     def _failed(self, server: _Server) -> None:
         server.failures += 1

@@ -1,19 +1,15 @@
 """eyas-synth run: prompts -> served target -> token-exact samples in `synth/NAME/`.
 
-Files of a synth dataset:
-    samples.jsonl     the training samples (eyas_common.samples), one per line, appended as they come
-    truncated.jsonl   length-truncated samples set aside by --drop-truncated (kept by default)
-    rejected.jsonl    answers that failed structural validation, with the problems found
-    failures.jsonl    requests that failed after every retry (retried by the next run)
-    manifest.json     schema eyas.synth/1
-A sample id is its index i in [0, n); sample i answers prompt i mod #prompts. A rerun reads the ids
-already in samples/truncated/rejected and asks only for the others: never a duplicate, never a gap.
+The files of a synth dataset and the sample record are owned by eyas_common.samples. A sample id is
+its index i in [0, n); sample i answers prompt i mod #prompts. A rerun reads the ids already in
+samples/truncated/rejected and asks only for the others: never a duplicate, never a gap. A run
+holds the dataset's writer lock; it ends `complete` only when every id is answered (or the shortfall
+is within --allow-missing), and otherwise exits non-zero naming the failed ids, the dataset partial.
 """
 
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -24,15 +20,21 @@ import httpx
 from tqdm import tqdm
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt, target_fingerprint, template_kwargs
-from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, check_schema, check_target, finalize,
-                                  iter_jsonl, new_manifest, repair_jsonl, sha256_file)
-from eyas_common.samples import validate_sample
-from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy
+from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, add_producer, changed_params, check_schema,
+                                  check_target, finalize, iter_jsonl, new_manifest, sha256_file)
+from eyas_common.lock import WriterLock
+from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
+from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, missing_budget,
+                                 parse_allow_missing, validate_sample)
+from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy, ServersDown
 
-SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
-# Params that define what a sample is: a resumed run must use the same ones.
-FIXED_PARAMS = ("prompts_sha256", "thinking", "temperature", "top_p", "max_tokens", "seed", "drop_truncated")
+# Params a resumed run may change (where things are, how hard to push, what to accept); every other
+# param defines what a sample is and must match, including any added later.
+MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency", "timeout_s", "max_attempts",
+              "allow_missing", "breaker_s")
+# When this many first answers all failed the same way (and none worked), the run stops at once.
+FIRST_FAILURES = 8
 
 
 @dataclass
@@ -43,7 +45,8 @@ class SynthConfig:
     served_model: str             # model name sent to the server
     servers: list[str]            # base URLs of OpenAI-compatible servers
     n: int                        # samples to make (sample i answers prompt i mod #prompts)
-    max_tokens: int               # completion budget per sample, tokens
+    max_tokens: int               # completion budget per sample, tokens (fitted to the context, below)
+    max_model_len: int | None     # the server's context (prompt + completion), from /v1/models; None: unknown
     temperature: float            # sent explicitly: servers otherwise apply generation_config defaults
     top_p: float
     thinking: bool                # chat-template thinking switch
@@ -52,6 +55,8 @@ class SynthConfig:
     concurrency: int              # requests in flight, all servers together
     timeout_s: float              # per-request timeout, seconds
     max_attempts: int             # tries per request before it is recorded as failed
+    allow_missing: str            # samples that may be missing at the end: a count (5) or a percentage (0.5%)
+    breaker_s: float              # stop the run when every server has failed for this long, seconds
 
 
 @dataclass
@@ -67,9 +72,38 @@ class Counts:
     servers: dict[str, int] = field(default_factory=dict)
 
 
-def to_sample(sid: int, prompt_index: int, messages: list[dict], body: dict[str, Any], server: str,
-              cfg: SynthConfig, tokenizer, tokens: ChatTokens, prompt_ids: list[int]) -> tuple[dict, list[str]]:
+@dataclass
+class RunState:
+    """One synth run: what it asks, where it writes, what it has seen so far."""
+
+    cfg: SynthConfig
+    ds: Dataset
+    manifest: dict[str, Any]
+    tokenizer: Any
+    conversations: list[list[dict]]
+    done: set[int]                                   # ids already answered before this run
+    todo: list[int]                                  # ids this run asks for
+    prompt_ids: dict[int, list[int]] = field(default_factory=dict)   # prompt index -> rendered ids
+    counts: Counts = field(default_factory=Counts)
+    failed: dict[int, str] = field(default_factory=dict)            # id -> last error, this run
+    first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, error) while nothing worked
+    pool_stats: dict[str, int] = field(default_factory=dict)
+
+    @property
+    def tokens(self) -> ChatTokens:
+        return ChatTokens.of(self.tokenizer)
+
+    def max_tokens(self, pi: int) -> int:
+        """--max-tokens, fitted so that prompt + completion stays within the server's context."""
+        if self.cfg.max_model_len is None:
+            return self.cfg.max_tokens
+        return min(self.cfg.max_tokens, self.cfg.max_model_len - len(self.prompt_ids[pi]))
+
+
+def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tuple[dict, list[str]]:
     """A sample from one server response, and the problems that make it unusable (if any)."""
+    pi = sid % len(st.conversations)
+    prompt_ids = st.prompt_ids[pi]
     choice = body["choices"][0]
     msg = choice.get("message") or {}
     # vLLM renamed reasoning_content to reasoning; both exist in the wild.
@@ -85,142 +119,171 @@ def to_sample(sid: int, prompt_index: int, messages: list[dict], body: dict[str,
                             "the server runs another tokenizer or chat template than --model")
     else:
         source = "rendered"
-        completion = render_completion(tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
+        completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
     sample = {
-        "id": sid, "prompt_index": prompt_index, "messages": messages, "thinking": cfg.thinking,
+        "id": sid, "prompt_index": pi, "messages": st.conversations[pi], "thinking": st.cfg.thinking,
         "reasoning": reasoning, "content": content,
         "input_ids": prompt_ids + completion, "loss_mask": [0] * len(prompt_ids) + [1] * len(completion),
         "finish_reason": finish, "source": source, "server": server,
     }
     if not problems:
-        problems = validate_sample(sample, tokenizer, tokens, check_prompt=False)
+        problems = validate_sample(sample, st.tokenizer, st.tokens, check_prompt=False)
     return sample, problems
 
 
-def _scan(ds: Dataset) -> tuple[set[int], Counts]:
-    """Ids already answered (kept, set aside or rejected) and the counts of what is there."""
+def scan(ds: Dataset) -> tuple[set[int], Counts]:
+    """Ids already answered (kept, set aside or rejected) and the counts of what is there; reads only.
+
+    The one source of the dataset's counts, so the stats are the same whether or not a run was
+    interrupted. A torn last line (a killed run) is skipped here and cut when the file is next appended to.
+    """
     done: set[int] = set()
     c = Counts()
-    for name in (SAMPLES, TRUNCATED, REJECTED):
+    for name in ANSWERED:
         path = ds.path / name
         if not path.exists():
             continue
-        repair_jsonl(path)  # a run killed mid-line leaves a torn last record
-        for _, rec in iter_jsonl(path):
+        for _, rec in iter_jsonl(path, torn_end_ok=True):
             if rec["id"] in done:
                 raise DatasetError(f"{path}: sample id {rec['id']} appears twice; the dataset was edited by hand")
             done.add(rec["id"])
+            if name == REJECTED:
+                c.rejected += 1
+                continue
             if name == TRUNCATED:
                 c.truncated_dropped += 1
-            elif name == REJECTED:
-                c.rejected += 1
             else:
                 c.samples += 1
                 c.rendered += rec["source"] == "rendered"
                 c.truncated_kept += rec["finish_reason"] == "length"
-                p = rec["loss_mask"].count(0)
-                c.prompt_tokens += p
-                c.completion_tokens += len(rec["input_ids"]) - p
                 c.servers[rec["server"]] = c.servers.get(rec["server"], 0) + 1
+            p = rec["loss_mask"].count(0)
+            c.prompt_tokens += p
+            c.completion_tokens += len(rec["input_ids"]) - p
     return done, c
 
 
-def _served_model(server: str) -> str:
-    """The model name the server serves (its first /v1/models entry)."""
+def server_info(server: str) -> tuple[str, int | None]:
+    """The served model name (first /v1/models entry) and its context length (vLLM's max_model_len)."""
     base = server.rstrip("/").removesuffix("/v1")
     try:
         r = httpx.get(f"{base}/v1/models", timeout=30, trust_env=False)
         r.raise_for_status()
-        return r.json()["data"][0]["id"]
-    except (httpx.HTTPError, KeyError, IndexError, ValueError) as e:
-        raise DatasetError(f"cannot read the served model name from {base}/v1/models ({e}); "
-                           f"is the server up? Or pass --served-model") from None
+        entry = r.json()["data"][0]
+        length = entry.get("max_model_len")
+        return entry["id"], int(length) if isinstance(length, int) and length > 0 else None
+    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        raise DatasetError(f"cannot read the served model from {base}/v1/models ({e}); is the server up at "
+                           f"that --server URL?") from None
 
 
-def _open_dataset(ds: Dataset, cfg: SynthConfig, fingerprint: dict) -> dict[str, Any]:
-    """The manifest to write into: a new one, or the existing one after checking it matches."""
+def _render_prompts(conversations: list[list[dict]], todo: list[int], tokenizer, cfg: SynthConfig
+                    ) -> dict[int, list[int]]:
+    """Each distinct prompt once (the cross-check for the server's prompt ids), checked to fit the context."""
+    out = {}
+    for pi in sorted({i % len(conversations) for i in todo}):
+        try:
+            out[pi] = render_prompt(tokenizer, conversations[pi], cfg.thinking)
+        except Exception as e:  # noqa: BLE001 - jinja raises its own types for what a template rejects
+            raise DatasetError(f"{cfg.prompts}: prompt {pi + 1} (counting non-blank lines) is refused by the "
+                               f"target's chat template: {e}. Fix or drop that prompt") from None
+        room = None if cfg.max_model_len is None else cfg.max_model_len - len(out[pi])
+        if room is not None and room < 1:
+            raise DatasetError(f"{cfg.prompts}: prompt {pi + 1} is {len(out[pi])} tokens, but the server's context "
+                               f"(max_model_len) is {cfg.max_model_len}: shorten or drop that prompt, or serve the "
+                               f"target with a longer --max-model-len")
+    return out
+
+
+def _open_dataset(ds: Dataset, cfg: SynthConfig, fingerprint: dict, allow_code_change: bool) -> dict[str, Any]:
+    """The manifest to write into: a new one, or the existing one after checking it matches. Writes nothing."""
     if not ds.exists():
-        if ds.path.exists() and any(ds.path.iterdir()):
+        if ds.path.exists() and (not ds.path.is_dir() or any(ds.path.iterdir())):
             raise DatasetError(f"{ds.ref}: {ds.path} holds files but no manifest.json; "
                                f"delete it (`eyas-data rm {ds.ref}`) or pick another --name")
         return new_manifest("synth", stage="01_synth", target=fingerprint, inputs=[], params=asdict(cfg))
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
     check_target(ds, manifest, fingerprint)
-    old = manifest.get("params", {})
-    changed = [f"{k}={old.get(k)!r} (now {getattr(cfg, k)!r})" for k in FIXED_PARAMS if old.get(k) != getattr(cfg, k)]
+    changed = changed_params(manifest.get("params", {}), asdict(cfg), may_change=MAY_CHANGE)
     if changed:
         raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; resume it with the same options, "
                            f"or pick another --name")
+    add_producer(ds, manifest, "01_synth", allow_code_change=allow_code_change)
     manifest["params"] = asdict(cfg)
-    manifest["status"] = "partial"
     return manifest
 
 
-async def _produce(todo: list[int], prompts: list[list[dict]], prompt_ids: dict[int, list[int]],
-                   cfg: SynthConfig, ds: Dataset, tokenizer, counts: Counts, bar: tqdm) -> dict[str, int]:
-    tokens = ChatTokens.of(tokenizer)
+def _payload(st: RunState, sid: int) -> dict[str, Any]:
+    cfg, pi = st.cfg, sid % len(st.conversations)
+    return {
+        "model": cfg.served_model, "messages": st.conversations[pi], "max_tokens": st.max_tokens(pi),
+        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed * 1_000_003 + sid,
+        "return_token_ids": True, "chat_template_kwargs": template_kwargs(cfg.thinking),
+    }
+
+
+def _failed(st: RunState, sid: int, e: RequestFailed) -> None:
+    """Record a failed request; stop the run when the first answers of a new dataset all failed the same way."""
+    st.failed[sid] = e.last_error
+    st.counts.failed += 1
+    if st.done or st.counts.samples or st.counts.rejected or st.counts.truncated_dropped:
+        return  # something worked (in this run or before): the failures are these requests', not the setup's
+    st.first_errors.append((e.kind, e.last_error))
+    kinds = {k for k, _ in st.first_errors}
+    if len(st.first_errors) >= min(FIRST_FAILURES, len(st.todo)) and len(kinds) == 1:
+        raise DatasetError(f"{st.ds.ref}: the first {len(st.first_errors)} requests all failed alike, so the run "
+                           f"stopped: {st.first_errors[0][1]}")
+
+
+async def _produce(st: RunState, bar: tqdm) -> None:
+    """Ask for every id of `st.todo`; append each answer where it belongs as it comes."""
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for sid in todo:
+    for sid in st.todo:
         queue.put_nowait(sid)
-    retry = RetryPolicy(max_attempts=cfg.max_attempts)
-    first_problems: list[str] = []
-    with JsonlAppender(ds.path / SAMPLES) as samples, JsonlAppender(ds.path / TRUNCATED) as truncated, \
-            JsonlAppender(ds.path / REJECTED, sync_every=1) as rejected, \
-            JsonlAppender(ds.path / FAILURES, sync_every=1) as failures:
-        async with ChatPool(cfg.servers, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s, retry=retry) as pool:
+    cfg, c, path = st.cfg, st.counts, st.ds.path
+    with JsonlAppender(path / SAMPLES) as samples, JsonlAppender(path / TRUNCATED) as truncated, \
+            JsonlAppender(path / REJECTED, sync_every=1) as rejected, \
+            JsonlAppender(path / FAILURES, sync_every=1) as failures:
+        async with ChatPool(cfg.servers, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
+                            retry=RetryPolicy(max_attempts=cfg.max_attempts), breaker_s=cfg.breaker_s) as pool:
 
             async def worker() -> None:
                 while not queue.empty():
                     sid = queue.get_nowait()
-                    pi = sid % len(prompts)
-                    payload = {
-                        "model": cfg.served_model, "messages": prompts[pi], "max_tokens": cfg.max_tokens,
-                        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed * 1_000_003 + sid,
-                        "return_token_ids": True, "chat_template_kwargs": template_kwargs(cfg.thinking),
-                    }
                     try:
-                        body, server = await pool.chat(payload)
+                        body, server = await pool.chat(_payload(st, sid))
                     except RequestFailed as e:
-                        counts.failed += 1
                         failures.write({"id": sid, "attempts": e.attempts, "error": e.last_error})
-                        bar.set_postfix_str(_postfix(counts, pool, bar), refresh=False)
+                        _failed(st, sid, e)
                         continue
-                    sample, problems = to_sample(sid, pi, prompts[pi], body, server, cfg, tokenizer, tokens, prompt_ids[pi])
+                    sample, problems = to_sample(st, sid, body, server)
                     if problems:
-                        counts.rejected += 1
+                        c.rejected += 1
                         rejected.write({"id": sid, "problems": problems, "sample": sample})
-                        if not first_problems:
-                            first_problems.extend(problems)
                         # Fail fast on a misconfigured server rather than reject a whole run.
-                        if counts.rejected >= 16 and counts.samples == 0:
-                            raise DatasetError(f"the first {counts.rejected} answers were all rejected; first "
-                                               f"problem: {first_problems[0]} (details in {ds.path / REJECTED})")
+                        if c.rejected >= 16 and c.samples == 0:
+                            raise DatasetError(f"the first {c.rejected} answers were all rejected; first "
+                                               f"problem: {problems[0]} (details in {path / REJECTED})")
                         continue
-                    truncated_sample = sample["finish_reason"] == "length"
-                    if truncated_sample and cfg.drop_truncated:
-                        counts.truncated_dropped += 1
+                    if sample["finish_reason"] == "length" and cfg.drop_truncated:
+                        c.truncated_dropped += 1
                         truncated.write(sample)
                     else:
+                        c.samples += 1
                         samples.write(sample)
-                        counts.samples += 1
-                        counts.truncated_kept += truncated_sample
-                        counts.rendered += sample["source"] == "rendered"
-                        counts.servers[server] = counts.servers.get(server, 0) + 1
-                    p = len(prompt_ids[pi])
-                    counts.prompt_tokens += p
-                    counts.completion_tokens += len(sample["input_ids"]) - p
+                    c.completion_tokens += sample["loss_mask"].count(1)
                     bar.update(1)
-                    bar.set_postfix_str(_postfix(counts, pool, bar), refresh=False)
+                    bar.set_postfix_str(_postfix(c, pool, bar), refresh=False)
 
-            workers = [asyncio.create_task(worker()) for _ in range(min(cfg.concurrency, len(todo)))]
+            workers = [asyncio.create_task(worker()) for _ in range(min(cfg.concurrency, len(st.todo)))]
             try:
                 await asyncio.gather(*workers)
             finally:
                 for w in workers:
                     w.cancel()
                 await asyncio.gather(*workers, return_exceptions=True)
-            return dict(pool.stats)
+                st.pool_stats = dict(pool.stats)
 
 
 def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
@@ -229,80 +292,122 @@ def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
             f"failed {c.failed}, rejected {c.rejected}")
 
 
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
-
-
 def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | None = None,
         max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool = True,
         seed: int = 0, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
-        max_attempts: int = 8, served_model: str | None = None, data_root: Path | None = None,
+        max_attempts: int = 8, served_model: str | None = None, allow_missing: str = "0",
+        breaker_s: float = 120.0, allow_code_change: bool = False, data_root: Path | None = None,
         progress: bool = True) -> dict[str, Any]:
     """Make (or resume) synth dataset `name`; returns its final stats."""
     if not servers:
         raise DatasetError("no --server given: pass the base URL of a running vLLM or SGLang server")
+    for opt, value, low in (("--n", n, 1), ("--concurrency", concurrency, 1), ("--max-tokens", max_tokens, 1),
+                            ("--max-attempts", max_attempts, 1), ("--timeout", timeout_s, 1e-9)):
+        if value is not None and value < low:
+            raise DatasetError(f"{opt} {value}: must be at least {low if low >= 1 else 'above 0'}")
+    try:
+        parse_allow_missing(allow_missing)
+    except ValueError as e:
+        raise DatasetError(f"--allow-missing {e}") from None
     conversations = load_prompts(prompts)
-    n = len(conversations) if n is None else n
     tokenizer = load_tokenizer(model)
-    fingerprint = target_fingerprint(tokenizer, model)
     ds = Dataset.parse(name, "synth", data_root)
+    served, context = server_info(servers[0])
     cfg = SynthConfig(
         prompts=str(prompts), prompts_sha256=sha256_file(prompts), model=str(model),
-        served_model=served_model or _served_model(servers[0]), servers=list(servers), n=n,
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, thinking=thinking, seed=seed,
-        drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s, max_attempts=max_attempts)
-    manifest = _open_dataset(ds, cfg, fingerprint)
+        served_model=served_model or served, servers=list(servers), n=len(conversations) if n is None else n,
+        max_tokens=max_tokens, max_model_len=context, temperature=temperature, top_p=top_p, thinking=thinking,
+        seed=seed, drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s,
+        max_attempts=max_attempts, allow_missing=str(allow_missing), breaker_s=breaker_s)
+    with WriterLock(ds, stage="01_synth"):
+        st = _prepare(ds, cfg, tokenizer, conversations, allow_code_change)
+        return _run_and_finish(st, progress)
+
+
+def _prepare(ds: Dataset, cfg: SynthConfig, tokenizer, conversations: list[list[dict]],
+             allow_code_change: bool) -> RunState:
+    """Check everything, then (and only then) write the partial manifest: a refused rerun changes nothing."""
+    manifest = _open_dataset(ds, cfg, target_fingerprint(tokenizer, cfg.model), allow_code_change)
+    done, _ = scan(ds)
+    extra = sorted(i for i in done if i >= cfg.n)
+    if extra:
+        raise DatasetError(f"{ds.ref} already holds samples with ids up to {extra[-1]}, more than --n {cfg.n}; "
+                           f"pass --n {extra[-1] + 1} or more")
+    todo = [i for i in range(cfg.n) if i not in done]
+    st = RunState(cfg, ds, manifest, tokenizer, conversations, done, todo)
+    st.prompt_ids = _render_prompts(conversations, todo, tokenizer, cfg)
+    if cfg.max_model_len is not None and cfg.max_tokens > cfg.max_model_len - min(map(len, st.prompt_ids.values()), default=0):
+        print(f"[synth] --max-tokens {cfg.max_tokens} does not fit the server's max_model_len {cfg.max_model_len} "
+              f"with every prompt: each request asks for at most max_model_len - its prompt tokens", file=sys.stderr)
+    if not todo and manifest.get("status") == "complete":
+        return st  # nothing to do, nothing to write
+    manifest["status"] = "partial"
     ds.path.mkdir(parents=True, exist_ok=True)
     ds.write_manifest(manifest)
-
-    done, counts = _scan(ds)
-    extra = sorted(i for i in done if i >= n)
-    if extra:
-        raise DatasetError(f"{ds.ref} already holds samples with ids up to {extra[-1]}, more than --n {n}; "
-                           f"pass --n {extra[-1] + 1} or more")
-    todo = [i for i in range(n) if i not in done]
     (ds.path / FAILURES).unlink(missing_ok=True)  # failures of an earlier run are retried now
-    # Render each distinct prompt once: it is the cross-check for the server's prompt ids.
-    prompt_ids = {pi: render_prompt(tokenizer, conversations[pi], thinking) for pi in {i % len(conversations) for i in todo}}
-    print(f"[synth] {ds.ref}: {len(done)} of {n} samples already there, {len(todo)} to make "
-          f"from {len(conversations)} prompts on {len(servers)} server(s), {concurrency} in flight", file=sys.stderr)
+    print(f"[synth] {ds.ref}: {len(done)} of {cfg.n} samples already there, {len(todo)} to make from "
+          f"{len(conversations)} prompts on {len(cfg.servers)} server(s), {cfg.concurrency} in flight", file=sys.stderr)
+    return st
 
+
+def _run_and_finish(st: RunState, progress: bool) -> dict[str, Any]:
+    """Produce the missing samples; mark the dataset complete only if it holds what was asked."""
+    ds, cfg = st.ds, st.cfg
+    if not st.todo and st.manifest.get("status") == "complete":
+        print(f"[synth] {ds.ref} is already complete", file=sys.stderr)
+        return st.manifest["stats"]
     t0 = time.monotonic()
-    pool_stats: dict[str, int] = {}
-    bar = tqdm(total=n, initial=len(done), unit="sample", disable=not progress, dynamic_ncols=True,
+    bar = tqdm(total=cfg.n, initial=len(st.done), unit="sample", disable=not progress, dynamic_ncols=True,
                desc=f"synth {ds.name}", smoothing=0.05)
-    # SIGTERM (docker stop, kill) is handled like Ctrl-C: stop, flush, keep what is written.
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
-    tokens_before = counts.completion_tokens
     try:
-        if todo:
-            pool_stats = asyncio.run(_produce(todo, conversations, prompt_ids, cfg, ds, tokenizer, counts, bar))
+        with sigterm_as_interrupt():
+            if st.todo:
+                asyncio.run(_produce(st, bar))
     except KeyboardInterrupt:
         bar.close()
-        print(f"\n[synth] interrupted: {counts.samples} samples are saved in {ds.path / SAMPLES}; "
+        print(f"\n[synth] interrupted: {st.counts.samples} new samples are saved in {ds.path / SAMPLES}; "
               f"rerun the same command to resume", file=sys.stderr)
-        raise SystemExit(130) from None
+        raise SystemExit(INTERRUPTED) from None
+    except ServersDown as e:
+        raise DatasetError(f"{ds.ref}: stopped: every server failed for {e.seconds:.0f} s (--breaker "
+                           f"{cfg.breaker_s:g}); last error: {e.last_error}. What was made is kept: rerun the "
+                           f"same command once a server is up") from None
     finally:
-        signal.signal(signal.SIGTERM, old_term)
         bar.close()
-    wall = time.monotonic() - t0
+    return _finish(st, time.monotonic() - t0)
 
+
+def _finish(st: RunState, wall: float) -> dict[str, Any]:
+    ds, cfg = st.ds, st.cfg
+    done, counts = scan(ds)  # from the files, so the stats agree whether or not a run was interrupted
+    counts.failed = len(st.failed)
+    missing = [i for i in range(cfg.n) if i not in done]
     stats = asdict(counts) | {
-        "requested": n, "wall_s_last_run": round(wall, 2),
-        "samples_per_s_last_run": round(len(todo) / wall, 3) if todo and wall else None,
-        "completion_tokens_per_s_last_run": round((counts.completion_tokens - tokens_before) / wall, 1) if wall else None,
-        "client": pool_stats,
+        "requested": cfg.n, "missing": missing, "wall_s_last_run": round(wall, 2),
+        "samples_per_s_last_run": round(len(st.todo) / wall, 3) if st.todo and wall else None,
+        "completion_tokens_per_s_last_run": round(st.counts.completion_tokens / wall, 1) if wall else None,
+        "client": st.pool_stats,
     }
     records = {SAMPLES: counts.samples, TRUNCATED: counts.truncated_dropped, REJECTED: counts.rejected,
                FAILURES: counts.failed}
     for fname, k in records.items():
         if k == 0 and (ds.path / fname).exists() and (ds.path / fname).stat().st_size == 0:
             (ds.path / fname).unlink()
-    finalize(ds, manifest, stats=stats, records={k: v for k, v in records.items() if (ds.path / k).exists()})
-    print(f"[synth] {ds.ref} complete: {counts.samples} samples ({counts.rendered} rendered from text, "
-          f"{counts.truncated_kept} truncated kept, {counts.truncated_dropped} dropped), {counts.rejected} rejected, "
-          f"{counts.failed} failed, {wall:.1f} s", file=sys.stderr)
-    if counts.failed:
-        print(f"[synth] {counts.failed} requests failed after {max_attempts} attempts ({ds.path / FAILURES}); "
-              f"rerun the same command to retry them", file=sys.stderr)
+    summary = (f"{counts.samples} samples ({counts.rendered} rendered from text, {counts.truncated_kept} truncated "
+               f"kept, {counts.truncated_dropped} dropped), {counts.rejected} rejected, {len(missing)} missing of "
+               f"{cfg.n} asked, {wall:.1f} s")
+    budget = missing_budget(cfg.allow_missing, cfg.n)
+    if len(missing) > budget:
+        st.manifest["stats"] = stats
+        ds.write_manifest(st.manifest)
+        first = next(iter(st.failed.values()), "see failures.jsonl")
+        raise DatasetError(f"{ds.ref} stays partial: {summary}; failed ids {missing[:20]}"
+                           f"{' ...' if len(missing) > 20 else ''} (first error: {first}; all in "
+                           f"{ds.path / FAILURES}). Rerun the same command to retry them, or accept the shortfall "
+                           f"with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})")
+    finalize(ds, st.manifest, stats=stats, records={k: v for k, v in records.items() if (ds.path / k).exists()})
+    print(f"[synth] {ds.ref} complete: {summary}", file=sys.stderr)
+    if missing:
+        print(f"[synth] accepted short by {len(missing)} (--allow-missing {cfg.allow_missing}): ids {missing[:20]}",
+              file=sys.stderr)
     return stats

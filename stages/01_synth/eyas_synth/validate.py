@@ -8,7 +8,7 @@ from typing import Any
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, check_schema, check_target
 from eyas_common.samples import validate_synth_file
-from eyas_synth.run import SAMPLES
+from eyas_common.samples import SAMPLES
 
 
 def validate(name: str, *, model: Path | None = None, data_root: Path | None = None) -> dict[str, Any]:

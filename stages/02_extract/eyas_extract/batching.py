@@ -18,16 +18,16 @@ from eyas_common.contract import DatasetError
 
 
 @dataclass(frozen=True)
-class SampleRef:
+class SynthLine:
     id: int
     n_tokens: int
     n_masked: int
     pos: int  # byte offset of its line in samples.jsonl
 
 
-def index_samples(path: Path, vocab_size: int) -> list[SampleRef]:
+def index_samples(path: Path, vocab_size: int) -> list[SynthLine]:
     """Read and check every sample once, keeping only where it is: the tokens are re-read per shard."""
-    refs: list[SampleRef] = []
+    refs: list[SynthLine] = []
     seen: set[int] = set()
     with open(path, "rb") as f:
         pos = 0
@@ -57,13 +57,13 @@ def index_samples(path: Path, vocab_size: int) -> list[SampleRef]:
                 raise DatasetError(f"{where}: {problem}; the synth dataset is invalid: run `eyas-synth validate` "
                                    f"on it and remake it with eyas-synth run")
             seen.add(sid)
-            refs.append(SampleRef(sid, len(ids), sum(mask), start))
+            refs.append(SynthLine(sid, len(ids), sum(mask), start))
     if not refs:
         raise DatasetError(f"{path}: no samples; remake the synth dataset with eyas-synth run")
     return sorted(refs, key=lambda r: r.id)
 
 
-def load_tokens(path: Path, refs: list[SampleRef]) -> list[tuple[list[int], list[int]]]:
+def load_tokens(path: Path, refs: list[SynthLine]) -> list[tuple[list[int], list[int]]]:
     """(input_ids, loss_mask) of each sample, read at its recorded offset."""
     out = []
     with open(path, "rb") as f:
@@ -76,9 +76,9 @@ def load_tokens(path: Path, refs: list[SampleRef]) -> list[tuple[list[int], list
     return out
 
 
-def plan_shards(refs: list[SampleRef], shard_samples: int, shard_tokens: int) -> list[list[SampleRef]]:
-    shards: list[list[SampleRef]] = []
-    cur: list[SampleRef] = []
+def plan_shards(refs: list[SynthLine], shard_samples: int, shard_tokens: int) -> list[list[SynthLine]]:
+    shards: list[list[SynthLine]] = []
+    cur: list[SynthLine] = []
     tokens = 0
     for r in refs:
         if cur and (len(cur) >= shard_samples or tokens + r.n_tokens > shard_tokens):

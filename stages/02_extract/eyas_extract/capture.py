@@ -17,7 +17,7 @@ from torch import nn
 from eyas_common.contract import DatasetError
 
 from eyas_extract.config import ExtractConfig
-from eyas_extract.shards import DTYPES
+from eyas_common.hidden import DTYPES
 
 FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows per lm_head chunk of the top-K teacher: bounds the [rows, V] float32 logits.

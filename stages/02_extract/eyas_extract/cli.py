@@ -6,6 +6,7 @@ from pathlib import Path
 
 import click
 
+from eyas_common.cli_errors import EyasGroup
 from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS
 from eyas_extract.run import finalize_dataset
 from eyas_extract.run import run as run_extract
@@ -20,7 +21,7 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> li
         raise click.BadParameter(f"{value!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Stage 02: synth samples -> the target's EAGLE-3 hidden states in $EYAS_DATA/hidden/NAME."""
 
@@ -36,13 +37,15 @@ def main() -> None:
               help="Aux layer ids, comma-separated: id k = HF hidden_states[k], the residual stream entering layer k.  [default: 2,L//2,L-3]")
 @click.option("--teacher", type=click.Choice(TEACHERS), default="final",
               help="final: store the final normed hidden state (H values/token); topk: store the target's top-K log-probs.")
-@click.option("--topk", default=8, help="K for --teacher topk: log-probs (float32) and ids (int32) per token.")
+@click.option("--topk", type=click.IntRange(min=1), default=8, help="K for --teacher topk: log-probs (float32) and ids (int32) per token.")
 @click.option("--aux-dtype", type=click.Choice(AUX_DTYPES), default="bf16",
               help="Stored aux dtype; fp8 = float8_e4m3fn + one float32 scale per token and layer. fp32 also stores final in fp32.")
 @click.option("--shard", default="0/1", help="I/N: this host does shards j with j mod N == I (torchrun ranks split it further).")
-@click.option("--shard-samples", default=2048, help="At most this many samples per shard (the unit of resume).")
-@click.option("--shard-mb", default=2048, help="At most this many MiB per shard (sets the shard's token budget).")
-@click.option("--batch-tokens", default=16384,
+@click.option("--shard-samples", type=click.IntRange(min=1), default=2048,
+              help="At most this many samples per shard (the unit of resume).")
+@click.option("--shard-mb", type=click.IntRange(min=1), default=2048,
+              help="At most this many MiB per shard (sets the shard's token budget).")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=16384,
               help="Padded tokens per forward (batch size x longest sample); fixed for a dataset, like the shard options.")
 @click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
               help="Compute dtype of the target; auto: bf16 on GPU, fp32 on CPU.")
@@ -51,6 +54,8 @@ def main() -> None:
               help="hf backend attention; auto: flash_attention_2 when flash-attn is installed on GPU, else sdpa.")
 @click.option("--device-map", default=None, help="hf backend: transformers device_map (e.g. auto) for a target larger than one GPU.")
 @click.option("--trust-remote-code", is_flag=True, help="Run modelling/tokenizer code shipped with the target (explicit opt-in).")
+@click.option("--allow-code-change", is_flag=True,
+              help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.

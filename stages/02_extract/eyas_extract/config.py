@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Params that decide a shard's bytes: a resumed run, or another `--shard i/N` part, must match them.
-FIXED_PARAMS = ("synth", "backend", "layers", "num_layers", "hidden_size", "vocab_size", "aux_dtype", "teacher",
-                "topk", "shard_samples", "shard_tokens", "num_shards", "batch_tokens", "dtype")
+# Params a resumed run (or another `--shard i/N` part) may change: where the target lies and how attention
+# is computed. Every other param decides a shard's bytes and must match, including any added later.
+MAY_CHANGE = ("model", "attn", "device_map", "trust_remote_code")
 AUX_DTYPES = ("bf16", "fp8", "fp32")
 TEACHERS = ("final", "topk")
 BACKENDS = ("hf", "vllm")

@@ -16,9 +16,9 @@ from collections.abc import Iterator
 import torch
 
 from eyas_extract.capture import Capture, encode, find_parts
+from eyas_common.hidden import torch_dtype
 from eyas_extract.config import ExtractConfig
 
-DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
 def pick_device(device: str) -> torch.device:
@@ -46,7 +46,7 @@ def pick_attn(attn: str, device: torch.device, dtype: str) -> str:
 def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
-    kwargs = {"dtype": DTYPES[cfg.dtype], "trust_remote_code": cfg.trust_remote_code}
+    kwargs = {"dtype": torch_dtype(cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
     # With accelerate, weights load straight onto the device (or across several, device_map "auto").
     direct = cfg.device_map or (str(device) if importlib.util.find_spec("accelerate") else None)
     if direct:

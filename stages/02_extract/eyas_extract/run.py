@@ -1,9 +1,6 @@
 """eyas-extract run: a synth dataset and its target -> EAGLE-3 hidden states in `hidden/NAME/`.
 
-Files of a hidden dataset:
-    shard-{i:05d}.safetensors   the states (shards.py documents the tensors); final names only by rename
-    runs/worker-W-of-N.json     each worker's last run: tokens, seconds (merged into the manifest stats)
-    manifest.json               schema eyas.hidden/1; params = ExtractConfig; inputs = the synth dataset
+The files of a hidden dataset, and the shard layout, are owned by eyas_common.hidden.
 Work is cut into shards from the synth dataset alone (batching.py), and shard j belongs to worker
 j mod W, where W = (--shard parts) x (torchrun ranks). A rerun skips the shards already there and
 redoes the rest, so a killed run resumes by rerunning it. The last worker to finish (or
@@ -16,13 +13,12 @@ import json
 import os
 import queue
 import shutil
-import signal
 import socket
 import sys
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,17 +26,20 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from eyas_common import samples as samples_format
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, check_schema, check_target, finalize, input_ref,
-                                  new_manifest, open_input, verify, write_json_atomic)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, add_producer, changed_params, check_schema,
+                                  check_target, finalize, input_ref, new_manifest, open_input, verify,
+                                  write_json_atomic)
+from eyas_common.hidden import RUNS, SHARD_GLOB, ShardWriter, bytes_per_token, runs_file, shard_layout, shard_name
+from eyas_common.lock import WriterLock
+from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
+from eyas_common.samples import SAMPLES
 
 from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
-from eyas_extract.config import AUX_DTYPES, BACKENDS, FIXED_PARAMS, TEACHERS, ExtractConfig
+from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
-from eyas_extract.shards import ShardWriter, bytes_per_token, shard_layout, shard_name
 
-SAMPLES = "samples.jsonl"
-RUNS = "runs"
 
 
 def log(msg: str) -> None:
@@ -57,12 +56,6 @@ def parse_shard(shard: str) -> tuple[int, int]:
     return i, n
 
 
-def _ranks() -> tuple[int, int, int]:
-    """(rank, world size, local rank) under torchrun; (0, 1, 0) otherwise."""
-    env = os.environ
-    return int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0))
-
-
 def default_layers(num_layers: int) -> list[int]:
     return [2, num_layers // 2, num_layers - 3]
 
@@ -74,29 +67,35 @@ def _model_dims(model: Path, trust_remote_code: bool) -> tuple[int, int, int]:
     return text.num_hidden_layers, text.hidden_size, text.vocab_size
 
 
-def _open_dataset(ds: Dataset, cfg: ExtractConfig, synth: Dataset, target: dict[str, Any],
-                  fingerprint: dict[str, Any]) -> dict[str, Any]:
-    """The hidden manifest: new, or the existing one after checking it was made the same way."""
+def _open_dataset(job: Job, *, allow_code_change: bool) -> dict[str, Any]:
+    """The hidden manifest: new, or the existing one after checking it was made the same way.
+
+    Every check runs before the first write, so a refused rerun leaves the dataset as it was.
+    """
+    ds, cfg, synth = job.ds, job.cfg, job.sds
     params = asdict(cfg)
     if not ds.exists():
-        if list(ds.path.glob("shard-*.safetensors")):
+        if list(ds.path.glob(SHARD_GLOB)):
             raise DatasetError(f"{ds.ref}: {ds.path} holds shards but no manifest.json; delete it "
                                f"(`eyas-data rm {ds.ref}`) or pick another --name")
-        manifest = new_manifest("hidden", stage="02_extract", target=target, inputs=[input_ref(synth)], params=params)
+        manifest = new_manifest("hidden", stage="02_extract", target=job.smanifest.get("target"),
+                                inputs=[input_ref(synth)], params=params)
         ds.path.mkdir(parents=True, exist_ok=True)
         ds.write_manifest(manifest)
         return manifest
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
-    check_target(ds, manifest, fingerprint)
+    check_target(ds, manifest, job.fingerprint)
     if manifest.get("inputs") != [input_ref(synth)]:
         raise DatasetError(f"{ds.ref} was started from {manifest.get('inputs')}, not from {synth.ref} as it is now "
                            f"(its manifest changed since); delete it (`eyas-data rm {ds.ref}`) or pick another --name")
-    old = manifest.get("params", {})
-    changed = [f"{k}={old.get(k)!r} (now {params[k]!r})" for k in FIXED_PARAMS if old.get(k) != params[k]]
+    changed = changed_params(manifest.get("params", {}), params, may_change=MAY_CHANGE)
     if changed:
         raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; resume it with the same options "
                            f"(and the same synth dataset), or pick another --name")
+    if manifest.get("status") != "complete" and job.todo:
+        add_producer(ds, manifest, "02_extract", allow_code_change=allow_code_change)
+        ds.write_manifest(manifest)
     return manifest
 
 
@@ -160,42 +159,93 @@ class Writer:
             raise self.error
 
 
-def _interrupt(*_: Any) -> None:
-    raise KeyboardInterrupt
+@dataclass
+class Job:
+    """What one extraction worker does: the config, where it reads and writes, and its shards."""
+
+    cfg: ExtractConfig
+    sds: Dataset                  # the input synth dataset
+    smanifest: dict[str, Any]
+    fingerprint: dict[str, Any]   # the loaded target's tokenizer and chat template
+    ds: Dataset                   # the hidden dataset written
+    dev: torch.device
+    ranks: Ranks
+    part: int                     # --shard I/N: this host's I and N
+    parts: int
+    plan: list = field(default_factory=list)    # every shard's samples (batching.plan_shards)
+    todo: list[int] = field(default_factory=list)  # this worker's shards still to make
+
+    @property
+    def workers(self) -> int:
+        return self.parts * self.ranks.world
+
+    @property
+    def worker(self) -> int:
+        # Host I of N keeps shards j = I mod N; its ranks split those further. Worker w takes j = w mod W.
+        return self.part + self.parts * self.ranks.rank
+
+    @property
+    def mine(self) -> list[int]:
+        return [j for j in range(len(self.plan)) if j % self.workers == self.worker]
+
+    @property
+    def who(self) -> str:
+        return f"worker {self.worker}/{self.workers}" if self.workers > 1 else self.ds.ref
 
 
 def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list[int] | None = None,
         teacher: str = "final", topk: int = 8, aux_dtype: str = "bf16", shard: str = "0/1",
         shard_samples: int = 2048, shard_mb: int = 2048, batch_tokens: int = 16384, dtype: str = "auto",
         device: str = "auto", attn: str = "auto", device_map: str | None = None, trust_remote_code: bool = False,
-        data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
+        allow_code_change: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Extract (or resume) hidden dataset `name` from synth dataset `synth`; returns this worker's stats."""
     t_start = time.monotonic()
+    job = _plan(synth=synth, model=Path(model), name=name, backend=backend, layers=layers, teacher=teacher, topk=topk,
+                aux_dtype=aux_dtype, shard=shard, shard_samples=shard_samples, shard_mb=shard_mb,
+                batch_tokens=batch_tokens, dtype=dtype, device=device, attn=attn, device_map=device_map,
+                trust_remote_code=trust_remote_code, data_root=data_root)
+    # Each worker part has its own lock: two runs of one part are refused, different parts run side by side.
+    with WriterLock(job.ds, stage="02_extract", part=f"worker-{job.worker}-of-{job.workers}"):
+        manifest = _open_dataset(job, allow_code_change=allow_code_change)
+        if manifest.get("status") == "complete":
+            log(f"{job.ds.ref} is already complete")
+            return manifest["stats"]
+        for j in job.mine:  # temp files of this worker's shards, left by a killed run (the lock says it is gone)
+            for tmp in job.ds.path.glob(f".{shard_name(j)}.tmp-*"):
+                tmp.unlink()
+        stats = _work(job, progress, t_start)
+    if job.ranks.world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
+        dist.destroy_process_group()
+        if job.ranks.rank != 0:
+            return stats
+    missing = [j for j in range(len(job.plan)) if not (job.ds.path / shard_name(j)).exists()]
+    if missing:
+        log(f"{job.ds.ref}: {len(job.plan) - len(missing)} of {len(job.plan)} shards there; the other --shard parts "
+            f"are still to run (the last one to end finalizes, or run `eyas-extract finalize {job.ds.name}`)")
+        return stats
+    return stats | {"dataset": finalize_dataset(job.ds.name, data_root=data_root)}
+
+
+def _plan(*, synth: str, model: Path, name: str, backend: str, layers: list[int] | None, teacher: str, topk: int,
+          aux_dtype: str, shard: str, shard_samples: int, shard_mb: int, batch_tokens: int, dtype: str,
+          device: str, attn: str, device_map: str | None, trust_remote_code: bool, data_root: Path | None) -> Job:
+    """Check the options and the input, and cut the work into shards; writes nothing."""
     if backend not in BACKENDS or teacher not in TEACHERS or aux_dtype not in AUX_DTYPES:
         raise DatasetError(f"backend {backend!r}, teacher {teacher!r}, aux dtype {aux_dtype!r}: "
                            f"expected one of {BACKENDS}, {TEACHERS}, {AUX_DTYPES}")
     part, parts = parse_shard(shard)
-    rank, world, local_rank = _ranks()
-    if world > 1 and (backend == "vllm" or device_map):
+    ranks = torchrun_ranks()
+    if ranks.world > 1 and (backend == "vllm" or device_map):
         raise DatasetError("under torchrun each rank runs its own copy of the target on its own GPU: --backend vllm "
                            "and --device-map need a process of their own; split hosts or GPUs with --shard I/N instead")
-    # Host I of N keeps shards j = I mod N; its ranks split those further. Worker w takes j = w mod W.
-    workers, worker = parts * world, part + parts * rank
-    model = Path(model)
     if backend == "vllm":
         from eyas_extract.vllm_backend import require_vllm
 
         require_vllm()
-
-    # The input, refused when partial, corrupted, unknown or made for another tokenizer.
-    sds, smanifest = open_input(synth, "synth", root=data_root)
-    problems = verify(sds)
-    if problems:
-        raise DatasetError(f"{sds.ref} is corrupted: {'; '.join(problems[:3])}. Check it with `eyas-data verify "
-                           f"{sds.ref}`, then remake it with {REMAKE['synth']}")
-    fingerprint = target_fingerprint(load_tokenizer(model, trust_remote_code), model)
-    check_target(sds, smanifest, fingerprint)
-
+    sds, smanifest, fingerprint = _open_synth(synth, model, trust_remote_code, data_root)
     num_layers, hidden, vocab = _model_dims(model, trust_remote_code)
     layers = list(layers) if layers else default_layers(num_layers)
     if len(set(layers)) != len(layers) or not all(0 <= k < num_layers for k in layers):
@@ -204,8 +254,8 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
     if teacher == "topk" and not 1 <= topk <= vocab:
         raise DatasetError(f"--topk {topk}: need 1 <= K <= {vocab} (the target's vocabulary)")
     dev = pick_device(device)
-    if dev.type == "cuda" and world > 1:
-        dev = torch.device("cuda", local_rank)
+    if dev.type == "cuda" and ranks.world > 1:
+        dev = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(dev)
     compute = pick_dtype(dtype, dev)
     cfg = ExtractConfig(
@@ -214,73 +264,77 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         shard_samples=shard_samples, shard_tokens=0, num_shards=0, batch_tokens=batch_tokens,
         dtype=compute, attn=pick_attn(attn, dev, compute), device_map=device_map,
         trust_remote_code=trust_remote_code)
-    bpt = bytes_per_token(cfg)
-    cfg.shard_tokens = max(1, shard_mb * (1 << 20) // bpt)
+    cfg.shard_tokens = max(1, shard_mb * (1 << 20) // bytes_per_token(cfg))
+    job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(name, "hidden", data_root), dev, ranks, part, parts)
+    job.plan = plan_shards(index_samples(sds.path / SAMPLES, vocab), shard_samples, cfg.shard_tokens)
+    cfg.num_shards = len(job.plan)
+    job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
+    _check_disk(job)
+    return job
 
-    samples_path = sds.path / SAMPLES
-    plan = plan_shards(index_samples(samples_path, vocab), shard_samples, cfg.shard_tokens)
-    cfg.num_shards = len(plan)
-    ds = Dataset.parse(name, "hidden", data_root)
-    mine = [j for j in range(len(plan)) if j % workers == worker]
-    todo = [j for j in mine if not (ds.path / shard_name(j)).exists()]
-    sizes = {j: shard_layout(cfg, len(plan[j]), sum(r.n_tokens for r in plan[j])).size for j in todo}
-    tokens = sum(r.n_tokens for j in todo for r in plan[j])
+
+def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Path | None
+                ) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
+    """The input, refused when partial, corrupted, unknown or made for another tokenizer."""
+    sds, smanifest = open_input(synth, "synth", root=data_root)
+    problems = verify(sds)
+    if problems:
+        raise DatasetError(f"{sds.ref} is corrupted: {'; '.join(problems[:3])}. Check it with `eyas-data verify "
+                           f"{sds.ref}`, then remake it with {REMAKE['synth']}")
+    fingerprint = target_fingerprint(load_tokenizer(model, trust_remote_code), model)
+    check_target(sds, smanifest, fingerprint)
+    if shortfall := samples_format.shortfall_note(smanifest):
+        log(f"{sds.ref}: {shortfall}")
+    return sds, smanifest, fingerprint
+
+
+def _check_disk(job: Job) -> None:
+    """Print the disk bill of this worker's shards; refuse when the volume cannot hold it."""
+    cfg, ds = job.cfg, job.ds
+    bpt = bytes_per_token(cfg)
+    size = sum(shard_layout(cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size for j in job.todo)
+    tokens = sum(r.n_tokens for j in job.todo for r in job.plan[j])
     free = _free_bytes(ds.path)
-    who = f"worker {worker}/{workers}" if workers > 1 else ds.ref
-    log(f"{who}: {len(mine) - len(todo)} of {len(mine)} shards already there ({len(plan)} in all), {len(todo)} to "
-        f"extract from {sds.ref}: layers {layers} of {num_layers}, H {hidden}, aux {aux_dtype}, teacher {teacher}"
-        f"{f' K={topk}' if teacher == 'topk' else ''}, {backend} backend on {dev}, {cfg.dtype}")
-    log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {sum(sizes.values()) / 1e9:.3f} GB with headers; "
+    log(f"{job.who}: {len(job.mine) - len(job.todo)} of {len(job.mine)} shards already there ({len(job.plan)} in "
+        f"all), {len(job.todo)} to extract from {job.sds.ref}: layers {cfg.layers} of {cfg.num_layers}, "
+        f"H {cfg.hidden_size}, aux {cfg.aux_dtype}, teacher {cfg.teacher}"
+        f"{f' K={cfg.topk}' if cfg.teacher == 'topk' else ''}, {cfg.backend} backend on {job.dev}, {cfg.dtype}")
+    log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {size / 1e9:.3f} GB with headers; "
         f"{free / 1e9:.2f} GB free on the volume of {ds.path}")
-    if sum(sizes.values()) > free:
-        raise DatasetError(f"{ds.ref}: needs {sum(sizes.values()) / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: "
+    if size > free:
+        raise DatasetError(f"{ds.ref}: needs {size / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: "
                            f"free space, point EYAS_DATA at a larger volume, or shrink the layout "
                            f"(--aux-dtype fp8 and --teacher topk store about half as much)")
 
-    manifest = _open_dataset(ds, cfg, sds, smanifest.get("target"), fingerprint)
-    if manifest.get("status") == "complete":
-        log(f"{ds.ref} is already complete")
-        return manifest["stats"]
-    for j in mine:  # temp files of this worker's shards, left by a killed run
-        for tmp in ds.path.glob(f".{shard_name(j)}.tmp-*"):
-            tmp.unlink()
 
-    if world > 1:
+def _work(job: Job, progress: bool, t_start: float) -> dict[str, Any]:
+    """Extract this worker's pending shards and record its run; Ctrl-C / SIGTERM keep the finished shards."""
+    if job.ranks.world > 1:
         import datetime
 
         import torch.distributed as dist
 
         # gloo, only for the final barrier: ranks may end hours apart, past NCCL's default timeout.
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
-
+    ds, samples_path = job.ds, job.sds.path / SAMPLES
+    tokens = sum(r.n_tokens for j in job.todo for r in job.plan[j])
     try:
-        stats = _extract(cfg, dev, ds, plan, todo, samples_path, tokens, progress) if todo else {"tokens": 0}
+        with sigterm_as_interrupt():
+            stats = _extract(job.cfg, job.dev, ds, job.plan, job.todo, samples_path, tokens, progress) \
+                if job.todo else {"tokens": 0}
     except KeyboardInterrupt:
-        kept = sum((ds.path / shard_name(j)).exists() for j in mine)
-        log(f"interrupted: {kept} of {len(mine)} shards of this worker are saved in {ds.path}; "
+        kept = sum((ds.path / shard_name(j)).exists() for j in job.mine)
+        log(f"interrupted: {kept} of {len(job.mine)} shards of this worker are saved in {ds.path}; "
             f"rerun the same command to resume")
-        raise SystemExit(130) from None
-    stats |= {"worker": worker, "workers": workers, "host": socket.gethostname(), "shards": len(todo),
+        raise SystemExit(INTERRUPTED) from None
+    stats |= {"worker": job.worker, "workers": job.workers, "host": socket.gethostname(), "shards": len(job.todo),
               "wall_s": round(time.monotonic() - t_start, 2)}
-    if todo:
-        write_json_atomic(ds.path / RUNS / f"worker-{worker:03d}-of-{workers:03d}.json", stats)
-        log(f"{who}: {stats['tokens']:,} tokens in {stats['compute_s']:.1f} s: {stats['tokens_per_s']:,.0f} tokens/s, "
-            f"{bpt:,} B/token, {stats['pad_fraction']:.1%} padding; wall {stats['wall_s']:.1f} s")
-
-    if world > 1:
-        import torch.distributed as dist
-
-        dist.barrier()
-        dist.destroy_process_group()
-        if rank != 0:
-            return stats
-    missing = [j for j in range(len(plan)) if not (ds.path / shard_name(j)).exists()]
-    if missing:
-        log(f"{ds.ref}: {len(plan) - len(missing)} of {len(plan)} shards there; the other --shard parts are still to "
-            f"run (the last one to end finalizes, or run `eyas-extract finalize {ds.name}`)")
-        return stats
-    final = finalize_dataset(ds.name, data_root=data_root)
-    return stats | {"dataset": final}
+    if job.todo:
+        write_json_atomic(ds.path / runs_file(job.worker, job.workers), stats)
+        log(f"{job.who}: {stats['tokens']:,} tokens in {stats['compute_s']:.1f} s: {stats['tokens_per_s']:,.0f} "
+            f"tokens/s, {bytes_per_token(job.cfg):,} B/token, {stats['pad_fraction']:.1%} padding; "
+            f"wall {stats['wall_s']:.1f} s")
+    return stats
 
 
 def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, todo: list[int], samples_path: Path,
@@ -296,7 +350,6 @@ def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, tod
         backend = HFBackend(cfg, dev)
     bar = tqdm(total=tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
                desc=f"extract {ds.name}", smoothing=0.1)
-    old_term = signal.signal(signal.SIGTERM, _interrupt)
     writer = Writer()
     shards: list[ShardWriter] = []
     done = padded = 0
@@ -330,7 +383,6 @@ def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, tod
             sw.abort()  # a no-op for committed shards: their temp file is gone
         raise
     finally:
-        signal.signal(signal.SIGTERM, old_term)
         bar.close()
         backend.close()
     return {"tokens": done, "compute_s": round(compute, 3), "tokens_per_s": round(done / compute, 1),

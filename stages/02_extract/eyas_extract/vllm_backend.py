@@ -30,7 +30,7 @@ from eyas_common.contract import DatasetError
 
 from eyas_extract.capture import encode, find_parts
 from eyas_extract.config import ExtractConfig
-from eyas_extract.hf_backend import DTYPES
+from eyas_common.hidden import torch_dtype
 
 CONNECTOR = "EyasHiddenStatesConnector"
 CONNECTOR_MODULE = "eyas_extract.vllm_connector"
@@ -60,7 +60,7 @@ def load_final_norm(cfg: ExtractConfig) -> torch.nn.Module:
                            f"(norm weights outside the layers: {sorted(seen) or 'none'}); use --backend hf")
     norm = parts.norm.to_empty(device="cpu")
     norm.load_state_dict(state)
-    return norm.to(DTYPES[cfg.dtype]).eval()
+    return norm.to(torch_dtype(cfg.dtype)).eval()
 
 
 def _topk(flat: Any, positions: range | list[int], k: int) -> tuple[list[list[int]], list[list[float]]]:
@@ -138,7 +138,7 @@ class VLLMBackend:
             hidden = self._spooled(keys[k], tokens[k])
             aux = hidden[:, self.pick]
             if self.cfg.teacher == "final":
-                yield [k], encode(self.cfg, aux, self.norm(hidden[:, self.final_at].to(DTYPES[self.cfg.dtype])))
+                yield [k], encode(self.cfg, aux, self.norm(hidden[:, self.final_at].to(torch_dtype(self.cfg.dtype))))
             else:
                 # Prompt log-probs at position t+1 are computed at t; the last row's are the sample's.
                 ids, lps = _topk(out.prompt_logprobs, range(1, len(tokens[k])), self.cfg.topk)

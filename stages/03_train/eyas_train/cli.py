@@ -7,12 +7,13 @@ from pathlib import Path
 
 import click
 
+from eyas_common.cli_errors import EyasGroup
 from eyas_train.config import TrainConfig
 
 D = TrainConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Datasets live under $EYAS_DATA (default ./data). Under torchrun, `run` trains data-parallel."""
 
@@ -22,31 +23,33 @@ def main() -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Target folder: tokenizer, config.json and safetensors (embedding and lm_head are read alone).")
 @click.option("--name", required=True, help="Output draft dataset (drafts/NAME or NAME); rerun to resume it.")
-@click.option("--draft-vocab", default=D["draft_vocab"].default,
+@click.option("--draft-vocab", type=click.IntRange(min=1), default=D["draft_vocab"].default,
               help="Draft vocabulary size in tokens (capped at the target's).")
-@click.option("--ttt-steps", default=D["ttt_steps"].default,
+@click.option("--ttt-steps", type=click.IntRange(min=1), default=D["ttt_steps"].default,
               help="Unrolled draft steps per position (training-time test).")
-@click.option("--step-decay", default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
-@click.option("--epochs", default=D["epochs"].default,
+@click.option("--step-decay", type=click.FloatRange(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
+@click.option("--epochs", type=click.IntRange(min=0), default=D["epochs"].default,
               help="Passes over the hidden dataset; 0 exports the untrained draft (a baseline).")
-@click.option("--batch-size", default=D["batch_size"].default,
+@click.option("--batch-size", type=click.IntRange(min=1), default=D["batch_size"].default,
               help="Samples per optimiser step, summed over all processes.")
-@click.option("--max-len", default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
-@click.option("--lr", default=D["lr"].default, help="AdamW peak learning rate.")
-@click.option("--warmup", default=D["warmup"].default,
+@click.option("--max-len", type=click.IntRange(min=2), default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=D["lr"].default, help="AdamW peak learning rate.")
+@click.option("--warmup", type=click.FloatRange(0, 1), default=D["warmup"].default,
               help="Share of steps warming up linearly; cosine decay to 0 after.")
-@click.option("--weight-decay", default=D["weight_decay"].default, help="AdamW weight decay.")
-@click.option("--grad-clip", default=D["grad_clip"].default, help="Max global gradient norm.")
+@click.option("--weight-decay", type=click.FloatRange(min=0), default=D["weight_decay"].default, help="AdamW weight decay.")
+@click.option("--grad-clip", type=click.FloatRange(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,
               help="Residual of the draft layer: hidden_norm(h) (before) or h (after, EAGLE-3/SGLang layout).")
-@click.option("--seed", default=D["seed"].default, help="Init and data-order seed.")
+@click.option("--seed", type=click.IntRange(min=0), default=D["seed"].default, help="Init and data-order seed.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=D["parallel"].default,
               help="Data parallelism under torchrun (FSDP2 shards parameters and optimiser state).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=D["precision"].default,
               help="auto: bf16 autocast on GPU, fp32 on CPU.")
-@click.option("--ckpt-every", default=D["ckpt_every"].default, help="Optimiser steps between checkpoints.")
-@click.option("--keep-ckpts", default=D["keep_ckpts"].default, help="Newest checkpoints kept.")
-@click.option("--log-every", default=D["log_every"].default, help="Optimiser steps between progress lines.")
+@click.option("--ckpt-every", type=click.IntRange(min=1), default=D["ckpt_every"].default, help="Optimiser steps between checkpoints.")
+@click.option("--keep-ckpts", type=click.IntRange(min=1), default=D["keep_ckpts"].default, help="Newest checkpoints kept.")
+@click.option("--allow-code-change", is_flag=True,
+              help="Resume a draft started by another eyas version (git sha / image tag); recorded in the manifest.")
+@click.option("--log-every", type=click.IntRange(min=1), default=D["log_every"].default, help="Optimiser steps between progress lines.")
 def run(**kw) -> None:
     """Train drafts/NAME on hidden/HIDDEN; an interrupted run resumes from its last checkpoint."""
     from eyas_train.train import run as train_run
@@ -56,7 +59,7 @@ def run(**kw) -> None:
 
 @main.command()
 @click.argument("name")
-@click.option("--step", type=int, default=None, help="Checkpoint step to export [default: the newest].")
+@click.option("--step", type=click.IntRange(min=0), default=None, help="Checkpoint step to export [default: the newest].")
 @click.option("--out", default=None, help="Write a complete snapshot as drafts/OUT instead of into NAME.")
 def export(name: str, step: int | None, out: str | None) -> None:
     """Write config.json + model.safetensors of drafts/NAME from one of its checkpoints."""
@@ -70,9 +73,9 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Target folder (HF).")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Held-out prompts: JSONL of {\"messages\": [...]} or plain text lines.")
-@click.option("--spec-tokens", default=3, help="Draft tokens proposed per verification.")
-@click.option("--max-tokens", default=256, help="Max generated tokens per prompt.")
-@click.option("--limit", type=int, default=None, help="Use only the first N prompts.")
+@click.option("--spec-tokens", type=click.IntRange(min=1), default=3, help="Draft tokens proposed per verification.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Max generated tokens per prompt.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts.")
 @click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch.")
 @click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
               help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance.")

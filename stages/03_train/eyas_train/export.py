@@ -1,23 +1,20 @@
-"""The draft folder vLLM and SGLang load (DESIGN.md §4), and reading it back.
+"""The draft folder vLLM and SGLang load (docs/interop.md), from this package's module and back.
 
-    config.json        LlamaForCausalLMEagle3, one layer, draft/target vocab and widths, aux layer ids
-                       top-level and in eagle_config, norm_before_residual written explicitly
-    model.safetensors  fc, midlayer.*, norm, lm_head, d2t, t2d; no embed_tokens (servers share the target's)
+The folder's files are owned by eyas_common.drafts; this module maps the module's state to them.
 The weight names go through NAME_MAP, the one place that ties this package's module to the servers.
 """
 
 from __future__ import annotations
 
-import json
-import os
 from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from eyas_common.contract import fsync_dir, write_json_atomic
+from eyas_common.drafts import ARCHITECTURE, WEIGHTS_FILE, write_weights
+from eyas_common.drafts import read_config as read_config_json
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.target import load_embedding
 
@@ -42,8 +39,6 @@ NAME_MAP: dict[str, str] = {
 }
 # Kept out of the file: the frozen target embedding, which the servers take from the target itself.
 NOT_EXPORTED = frozenset({"embed.weight"})
-
-CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 
 
 def full_vocab(d2t: torch.Tensor, t2d: torch.Tensor) -> bool:
@@ -85,7 +80,7 @@ def hf_config(cfg: DraftConfig, aux_layer_ids: list[int], target: dict[str, Any]
     rope = dict(cfg.rope_parameters)
     legacy_scaling = None if rope.get("rope_type", "default") == "default" else rope
     return {
-        "architectures": ["LlamaForCausalLMEagle3"],
+        "architectures": [ARCHITECTURE],
         "model_type": "llama",
         "hidden_size": cfg.hidden_size,
         "num_attention_heads": cfg.num_attention_heads,
@@ -121,19 +116,11 @@ def write_draft(folder: Path, state: dict[str, torch.Tensor], cfg: DraftConfig, 
                 target: dict[str, Any]) -> None:
     """Write config.json and model.safetensors (each atomically), in the target's dtype."""
     dtype = getattr(torch, str(target.get("torch_dtype") or target.get("dtype") or "float32"))
-    tensors = exported_tensors(state, dtype)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    fsync_dir(folder)
-    write_json_atomic(folder / CONFIG_FILE, hf_config(cfg, aux_layer_ids, target, dtype))
+    write_weights(folder, exported_tensors(state, dtype), hf_config(cfg, aux_layer_ids, target, dtype))
 
 
 def read_config(folder: Path) -> tuple[DraftConfig, list[int]]:
-    cfg = json.loads((Path(folder) / CONFIG_FILE).read_text())
+    cfg = read_config_json(folder)
     return DraftConfig(**cfg["eyas_draft_config"]), list(cfg["eagle_aux_hidden_state_layer_ids"])
 
 

@@ -3,12 +3,12 @@ plain process when torchrun did not start us."""
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import nn
+from eyas_common.procs import torchrun_ranks
 from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict,
                                                      get_optimizer_state_dict, set_model_state_dict,
                                                      set_optimizer_state_dict)
@@ -32,9 +32,10 @@ class Dist:
 def init() -> Dist:
     """Join torchrun's process group when its environment is set; otherwise a single process."""
     cuda = torch.cuda.is_available()
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    ranks = torchrun_ranks()
+    if ranks.world <= 1:
         return Dist(0, 1, torch.device("cuda" if cuda else "cpu"))
-    local = int(os.environ.get("LOCAL_RANK", "0"))
+    local = ranks.local_rank
     if cuda:
         torch.cuda.set_device(local)
     if not dist.is_initialized():

@@ -1,12 +1,6 @@
 """`eyas-train run`: hidden dataset -> trained EAGLE-3 draft in drafts/NAME (resumable, torchrun-aware).
 
-drafts/NAME/
-    manifest.json        eyas.drafts/1: lineage (hidden + synth datasets), target fingerprint, config, stats
-    config.json          \
-    model.safetensors    /  the servers' draft (export.py)
-    train_log.jsonl      one record per log interval: loss, per-step loss and top-1 accuracy, tokens/s
-    training.png         the curves of train_log.jsonl
-    checkpoints/         step-NNNNNNNN.pt: model, optimiser, scheduler, step, RNG, data position, config
+drafts/NAME/ and its files are described in eyas_common.drafts, the format's owner.
 """
 
 from __future__ import annotations
@@ -25,11 +19,15 @@ import torch
 from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, check_target, finalize, fsync_dir,
-                                  input_ref, iter_jsonl, new_manifest, open_input)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, add_producer, check_target, finalize,
+                                  fsync_dir, input_ref, iter_jsonl, new_manifest, open_input)
+from eyas_common.drafts import CKPT_DIR, LOG_FILE, PLOT_FILE
+from eyas_common.lock import WriterLock
+from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import TrainConfig
-from eyas_train.data import HiddenShards, global_batches, prefetch, rank_share
+from eyas_common.hidden import HiddenShards
+from eyas_train.data import global_batches, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
@@ -37,7 +35,6 @@ from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
-CKPT_DIR, LOG_FILE, PLOT_FILE = "checkpoints", "train_log.jsonl", "training.png"
 
 
 def say(msg: str) -> None:
@@ -134,10 +131,19 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
     `options` are TrainConfig fields. Under torchrun every process calls this; otherwise one process
     trains alone. Returns the draft folder.
     """
+    allow_code_change = options.pop("allow_code_change", False)
     cfg = TrainConfig(hidden=hidden, model=str(model), name=name, **options)
+    out = Dataset.parse(name, "drafts", data_root)
     d = parallel.init()
     try:
-        return _run(cfg, d, data_root)
+        # One writer per draft (rank 0 writes for all ranks); SIGTERM stops like Ctrl-C, at the last checkpoint.
+        with WriterLock(out, stage="03_train") if d.main else nullcontext(), sigterm_as_interrupt():
+            return _run(cfg, d, data_root, allow_code_change)
+    except KeyboardInterrupt:
+        kept = checkpoints(out.path)
+        say(f"interrupted: {out.ref} keeps {kept[-1].name if kept else 'no checkpoint yet'}; "
+            f"rerun the same command to resume")
+        raise SystemExit(INTERRUPTED) from None
     finally:
         parallel.shutdown(d)
 
@@ -158,14 +164,14 @@ def _lineage(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> list[dict[str, str
     return [input_ref(hidden_ds)] + [i for i in hidden_m.get("inputs", []) if isinstance(i, dict)]
 
 
-def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
+def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_change: bool = False) -> Path:
     t_start = time.monotonic()
     hidden_ds, hidden_m, fingerprint, out = _open(cfg, data_root)
     params = hidden_m["params"]
     target = text_config(cfg.model)
     hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
     vocab_size = int(params.get("vocab_size") or target["vocab_size"])
-    shards = HiddenShards(hidden_ds.path)
+    shards = HiddenShards(hidden_ds, hidden_m)  # exactly the manifest's files, sizes checked
     width = shards.read(shards.samples[0], 1)["aux"].shape[-1]
     if width != len(aux_layers) * hidden_size:
         raise DatasetError(f"{hidden_ds.ref}: aux rows are {width} wide, but the manifest says {len(aux_layers)} "
@@ -183,7 +189,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
                                f"with `eyas-data rm {out.ref}`")
         vocab = vocab_from(ckpt["vocab"])
     else:
-        vocab = build_vocab(shards.token_counts(vocab_size), cfg.draft_vocab)
+        vocab = build_vocab(token_counts(shards, vocab_size), cfg.draft_vocab)
     dcfg = draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(), cfg.norm_before_residual)
 
     torch.manual_seed(cfg.seed)
@@ -219,7 +225,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
     run_params = {"config": cfg.to_dict(), "draft": dcfg.__dict__, "aux_layers": aux_layers, "world": d.world,
                   "teacher": shards.teacher, "steps_per_epoch": per_epoch, "total_steps": total}
     if d.main:
-        _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, start)
+        _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, start, allow_code_change)
         say(f"{len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} steps on "
             f"{d.world} process(es), {d.device}; draft vocab {vocab.d2t.numel()} of {vocab_size} covers "
             f"{vocab.coverage:.2%} of masked tokens ({vocab.distinct} distinct)"
@@ -289,8 +295,12 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None) -> Path:
 
 
 def _prepare_folder(out: Dataset, cfg: TrainConfig, fingerprint: dict[str, Any], inputs: list[dict[str, str]],
-                    run_params: dict[str, Any], start: int) -> None:
+                    run_params: dict[str, Any], start: int, allow_code_change: bool = False) -> None:
     """A fresh run starts a partial manifest and an empty log; a resumed one cuts the log back to its step."""
+    manifest = new_manifest("drafts", stage="03_train", target=fingerprint, inputs=inputs, params=run_params)
+    if start and out.exists():  # a resume: every producer stays on record, another code version only if allowed
+        manifest["producers"] = out.read_manifest().get("producers") or []
+        add_producer(out, manifest, "03_train", allow_code_change=allow_code_change)
     out.path.mkdir(parents=True, exist_ok=True)
     log = out.path / LOG_FILE
     if start == 0:
@@ -301,7 +311,7 @@ def _prepare_folder(out: Dataset, cfg: TrainConfig, fingerprint: dict[str, Any],
             for r in kept:
                 w.write(r)
         os.replace(log.with_name(log.name + ".tmp"), log)
-    out.write_manifest(new_manifest("drafts", stage="03_train", target=fingerprint, inputs=inputs, params=run_params))
+    out.write_manifest(manifest)
 
 
 def _log_record(window: torch.Tensor, tokens: int, t0: float, step: int, total: int, per_epoch: int,
@@ -360,10 +370,18 @@ def export_checkpoint(name: str, *, step: int | None = None, out: str | None = N
     chosen = max(found) if step is None and found else step
     if chosen not in found:
         raise DatasetError(f"{src.ref}: no checkpoint at step {chosen}; have {sorted(found) or 'none'}")
-    ckpt = torch.load(found[chosen], map_location="cpu", weights_only=False)
+    dest = src if out is None else Dataset.parse(out, "drafts", data_root)
+    if dest != src and (dest.path.exists() or dest.path.is_symlink()):
+        raise DatasetError(f"--out {dest.ref}: {dest.path} already exists; export never overwrites a dataset: "
+                           f"pick another --out, or delete it first with `eyas-data rm {dest.ref}`")
+    with WriterLock(dest, stage="03_train export"):
+        return _export(src, m, dest, chosen, found[chosen])
+
+
+def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, path: Path) -> Path:
+    ckpt = torch.load(path, map_location="cpu", weights_only=False)
     p = m["params"]
     state = {k.removeprefix("draft."): v for k, v in ckpt["model"].items()}
-    dest = src if out is None else Dataset.parse(out, "drafts", data_root)
     write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], text_config(p["config"]["model"]))
     stats = {**m.get("stats", {}), "exported_step": chosen}
     if dest == src:

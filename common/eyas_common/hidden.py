@@ -1,7 +1,11 @@
-"""The hidden dataset's shard files: their layout, the writer, and the reader the train stage uses.
+"""The hidden dataset (stage 02 writes it, stage 03 reads it): file names, dtypes, writer, reader, checks.
 
-`hidden/NAME/shard-{i:05d}.safetensors` (a final name appears only by atomic rename) holds, for the
-S samples of shard i (ascending sample id) and their T tokens in total:
+This module is the one owner of the format; extract and train import it (it needs torch, which
+stages 02 and 03 have). `hidden/NAME/` holds:
+    shard-{i:05d}.safetensors   i in [0, params.num_shards); a final name appears only by atomic rename
+    runs/worker-W-of-N.json     each extraction worker's last run: tokens, seconds (merged into stats)
+    manifest.json               eyas.hidden/1; params = the extraction config; files = every file above
+Shard i holds, for its S samples (ascending sample id) and their T tokens in total:
     aux            [T, n_aux*H]  the aux layers' states, concatenated in `params.layers` order;
                                  bf16 (default), fp32, or float8_e4m3fn with
     aux_scale      [T, n_aux]    float32, fp8 only: x ~= aux.view(T, n_aux, H).float() * aux_scale[..., None]
@@ -15,19 +19,14 @@ S samples of shard i (ascending sample id) and their T tokens in total:
     sample_ids     [S]           int64, the synth sample ids
 Row t of a sample holds the states computed at position t (they predict token t+1); nothing is shifted.
 
-Reader API (stable; the train stage imports it):
-    ds = open_hidden("hidden/NAME")    # refuses a partial, unknown or missing dataset, naming the fix
-    ds.params                          # manifest params: layers, hidden_size, aux_dtype, teacher, topk, ...
-    len(ds); ds.sample_ids             # samples in ascending sample id, across shards
-    ds.sample(j)                       # {tensor name: rows of sample j} (+ "sample_id"), read through mmap
-    ds.aux(j)                          # float32 [T, n_aux*H], dequantised when stored as fp8
-    dequant_aux(aux, aux_scale)        # the same for rows already read
-Handles are opened lazily and dropped on pickling, so a dataset can go to DataLoader workers.
+Reading: `open_hidden(ref)` refuses a partial, unknown or missing dataset, then `HiddenShards` opens
+exactly the shards the manifest lists, after checking each one's size (and sha256 when the dataset is
+small enough to hash quickly) and that no unlisted file sits in the folder. Handles are opened
+lazily and dropped on pickling, so the reader can go to DataLoader workers.
 """
 
 from __future__ import annotations
 
-import bisect
 import errno
 import json
 import math
@@ -39,23 +38,37 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eyas_common.contract import Dataset, DatasetError, fsync_dir, open_input
-
-from eyas_extract.config import ExtractConfig
+from eyas_common.contract import MANIFEST, REMAKE, Dataset, DatasetError, fsync_dir, is_temp, open_input, sha256_file
 
 FORMAT = "eyas.hidden/1"
+RUNS = "runs"
+SHARD_GLOB = "shard-*.safetensors"
+# The one map from the dtype names eyas's options and manifests use to torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
+# Torch's own spellings, as ExtractConfig.dtype and HF configs write them.
+_LONG = {"bfloat16": "bf16", "float32": "fp32", "float8_e4m3fn": "fp8"}
+# Hash the shards before training only up to this many bytes in all (hashing runs at ~1 GB/s).
+HASH_LIMIT_BYTES = 2 << 30
 # safetensors' names for the dtypes a shard uses.
 _ST_NAME = {torch.float64: "F64", torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16",
             torch.float8_e4m3fn: "F8_E4M3", torch.int64: "I64", torch.int32: "I32", torch.uint8: "U8"}
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    """bf16 / fp32 / fp8, or torch's own names for them."""
+    return DTYPES[_LONG.get(name, name)]
 
 
 def shard_name(i: int) -> str:
     return f"shard-{i:05d}.safetensors"
 
 
-def row_tensors(cfg: ExtractConfig) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
-    """The per-token tensors of a shard: name -> (dtype, shape of one row)."""
+def runs_file(worker: int, workers: int) -> str:
+    return f"{RUNS}/worker-{worker:03d}-of-{workers:03d}.json"
+
+
+def row_tensors(cfg: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """The per-token tensors of a shard: name -> (dtype, shape of one row). `cfg`: the extraction config."""
     n, h = len(cfg.layers), cfg.hidden_size
     out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {"aux": (DTYPES[cfg.aux_dtype], (n * h,))}
     if cfg.aux_dtype == "fp8":
@@ -70,7 +83,7 @@ def row_tensors(cfg: ExtractConfig) -> dict[str, tuple[torch.dtype, tuple[int, .
     return out
 
 
-def bytes_per_token(cfg: ExtractConfig) -> int:
+def bytes_per_token(cfg: Any) -> int:
     return sum(dt.itemsize * math.prod(shape) for dt, shape in row_tensors(cfg).values())
 
 
@@ -83,7 +96,7 @@ class Layout:
     size: int                           # file bytes
 
 
-def shard_layout(cfg: ExtractConfig, n_samples: int, n_tokens: int) -> Layout:
+def shard_layout(cfg: Any, n_samples: int, n_tokens: int) -> Layout:
     shapes = {name: (dt, (n_tokens, *row)) for name, (dt, row) in row_tensors(cfg).items()}
     shapes["offsets"] = (torch.int64, (n_samples + 1,))
     shapes["sample_ids"] = (torch.int64, (n_samples,))
@@ -114,7 +127,7 @@ class ShardWriter:
     as they come without holding the shard in memory.
     """
 
-    def __init__(self, path: Path, cfg: ExtractConfig, sample_ids: list[int], lengths: list[int]):
+    def __init__(self, path: Path, cfg: Any, sample_ids: list[int], lengths: list[int]):
         self.path = Path(path)
         self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
         self.starts = [0]
@@ -190,51 +203,115 @@ def dequant_aux(aux: torch.Tensor, aux_scale: torch.Tensor | None = None) -> tor
     return (aux.view(t, n, -1).float() * aux_scale[..., None]).view(t, -1)
 
 
-class HiddenDataset:
-    """A complete hidden dataset; samples in ascending sample id, read lazily through mmap."""
+@dataclass(frozen=True)
+class SampleRef:
+    """Where one sample's rows lie: shard index, row span, and its synth sample id."""
 
-    def __init__(self, ds: Dataset, manifest: dict[str, Any]):
+    shard: int
+    start: int
+    end: int
+    sample_id: int
+
+    @property
+    def length(self) -> int:
+        return self.end - self.start
+
+
+def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES) -> list[Path]:
+    """The shard paths the manifest lists, after refusing a missing, resized, changed or unlisted file."""
+    listed = {f["name"]: f for f in manifest.get("files", [])}
+    n = int(manifest.get("params", {}).get("num_shards", -1))
+    names = [shard_name(j) for j in range(n)]
+    fix = f"check it with `eyas-data verify {ds.ref}`, then rerun {REMAKE['hidden']} (or restore the file)"
+    unlisted = [j for j in names if j not in listed]
+    if n < 1 or unlisted:
+        raise DatasetError(f"{ds.ref}: the manifest lists {sum(j in listed for j in names)} of its {max(n, 0)} "
+                           f"shards ({', '.join(unlisted[:3]) or 'num_shards missing'}); {fix}")
+    for name, entry in listed.items():
+        p = ds.path / name
+        if not p.is_file():
+            raise DatasetError(f"{ds.ref}: {name} is listed in the manifest but missing from {ds.path}; {fix}")
+        if p.stat().st_size != entry.get("bytes"):
+            raise DatasetError(f"{ds.ref}: {name} is {p.stat().st_size} bytes, the manifest says "
+                               f"{entry.get('bytes')} (truncated or replaced); {fix}")
+    for p in sorted(ds.path.rglob("*")):
+        rel = p.relative_to(ds.path).as_posix()
+        if p.is_file() and rel != MANIFEST and not is_temp(p) and rel not in listed:
+            raise DatasetError(f"{ds.ref}: {rel} is in {ds.path} but not in the manifest (a stray or foreign "
+                               f"file); move it out of the dataset, or {fix}")
+    if sum(listed[j]["bytes"] for j in names) <= hash_limit:
+        for name in names:
+            if sha256_file(ds.path / name) != listed[name].get("sha256"):
+                raise DatasetError(f"{ds.ref}: {name}: sha256 differs from the manifest (changed after it was "
+                                   f"written); {fix}")
+    return [ds.path / j for j in names]
+
+
+class HiddenShards:
+    """A complete hidden dataset, read through mmap; `samples` in shard order (ascending sample id)."""
+
+    def __init__(self, ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES):
         self.ds, self.manifest = ds, manifest
         self.params: dict[str, Any] = manifest["params"]
-        self.paths = [ds.path / f["name"] for f in manifest["files"] if f["name"].startswith("shard-")]
-        self._first: list[int] = []        # global index of each shard's first sample
-        self._offsets: list[list[int]] = []
-        self.sample_ids: list[int] = []
-        for p in self.paths:
-            with safe_open(p, "pt") as f:
-                self._first.append(len(self.sample_ids))
-                self._offsets.append(f.get_tensor("offsets").tolist())
-                self.sample_ids += f.get_tensor("sample_ids").tolist()
+        self.files = check_files(ds, manifest, hash_limit=hash_limit)
+        self.teacher: str = self.params["teacher"]
+        self.samples: list[SampleRef] = []
         self._handles: dict[int, Any] = {}
+        for i in range(len(self.files)):
+            h = self._handle(i)
+            offsets, ids = h.get_tensor("offsets").tolist(), h.get_tensor("sample_ids").tolist()
+            self.samples += [SampleRef(i, a, b, s) for a, b, s in zip(offsets[:-1], offsets[1:], ids)]
 
     def __len__(self) -> int:
-        return len(self.sample_ids)
+        return len(self.samples)
 
     def __getstate__(self) -> dict[str, Any]:
         return {**self.__dict__, "_handles": {}}
 
-    def _handle(self, s: int) -> Any:
-        if s not in self._handles:
-            self._handles[s] = safe_open(self.paths[s], "pt")
-        return self._handles[s]
+    @property
+    def sample_ids(self) -> list[int]:
+        return [r.sample_id for r in self.samples]
 
-    def sample(self, j: int) -> dict[str, torch.Tensor | int]:
-        if not 0 <= j < len(self):
-            raise IndexError(f"sample {j} of {len(self)}")
-        s = bisect.bisect_right(self._first, j) - 1
-        k = j - self._first[s]
-        a, b = self._offsets[s][k], self._offsets[s][k + 1]
-        f = self._handle(s)
-        out: dict[str, torch.Tensor | int] = {name: f.get_slice(name)[a:b] for name in f.keys()
-                                               if name not in ("offsets", "sample_ids")}
-        out["sample_id"] = self.sample_ids[j]
+    def _handle(self, i: int) -> Any:
+        if i not in self._handles:
+            try:
+                self._handles[i] = safe_open(self.files[i], "pt")
+            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+                raise DatasetError(f"{self.ds.ref}: {self.files[i].name} is not a readable safetensors file "
+                                   f"({e}); rerun {REMAKE['hidden']}") from None
+        return self._handles[i]
+
+    def sample(self, j: int) -> dict[str, Any]:
+        """Every stored tensor of sample j, as stored (+ "sample_id")."""
+        ref = self.samples[j]
+        f = self._handle(ref.shard)
+        out: dict[str, Any] = {k: f.get_slice(k)[ref.start:ref.end] for k in f.keys()
+                               if k not in ("offsets", "sample_ids")}
+        out["sample_id"] = ref.sample_id
         return out
 
     def aux(self, j: int) -> torch.Tensor:
         s = self.sample(j)
         return dequant_aux(s["aux"], s.get("aux_scale"))
 
+    def read(self, ref: SampleRef, max_len: int) -> dict[str, torch.Tensor]:
+        """One sample's first `max_len` rows for training: tokens, mask, aux as float32, the teacher signal."""
+        h = self._handle(ref.shard)
+        a, b = ref.start, min(ref.end, ref.start + max_len)
+        out = {k: h.get_slice(k)[a:b] for k in ("input_ids", "loss_mask")}
+        scale = h.get_slice("aux_scale")[a:b] if "aux_scale" in h.keys() else None
+        out["aux"] = dequant_aux(h.get_slice("aux")[a:b], scale)
+        for k in ("final",) if self.teacher == "final" else ("topk_ids", "topk_logprobs"):
+            out[k] = h.get_slice(k)[a:b]
+        return out
 
-def open_hidden(ref: str, data_root: Path | None = None) -> HiddenDataset:
+    def token_columns(self) -> Any:
+        """(input_ids, loss_mask) of each shard in turn, whole."""
+        for i in range(len(self.files)):
+            h = self._handle(i)
+            yield h.get_tensor("input_ids"), h.get_tensor("loss_mask")
+
+
+def open_hidden(ref: str, data_root: Path | None = None, *, hash_limit: int = HASH_LIMIT_BYTES) -> HiddenShards:
     ds, manifest = open_input(ref, "hidden", root=data_root)
-    return HiddenDataset(ds, manifest)
+    return HiddenShards(ds, manifest, hash_limit=hash_limit)

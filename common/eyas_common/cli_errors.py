@@ -1,0 +1,37 @@
+"""One line, no traceback, for every error a user can cause: the click group all eyas CLIs use.
+
+Library code raises DatasetError (plain, click-free) with a message that names the file or option and
+the fix; this group prints it as `Error: ...` with exit status 1. Operating-system refusals a user
+causes (a read-only data root, no permission, a full disk) are printed the same way, with the path.
+"""
+
+from __future__ import annotations
+
+import errno
+from typing import Any
+
+import click
+
+from eyas_common.contract import DatasetError
+
+_OS_FIX = {
+    errno.EROFS: "the volume is read-only: point EYAS_DATA (or the path) at a writable one",
+    errno.EACCES: "no permission: fix the owner/permissions, or point EYAS_DATA at a folder you own",
+    errno.EPERM: "not permitted: fix the owner/permissions, or point EYAS_DATA at a folder you own",
+    errno.ENOSPC: "disk full: free space or point EYAS_DATA at a larger volume, then rerun (finished work is kept)",
+    errno.EDQUOT: "disk quota exceeded: free space or point EYAS_DATA at another volume, then rerun",
+}
+
+
+class EyasGroup(click.Group):
+    """A click group that turns DatasetError and user-caused OSErrors into one-line errors."""
+
+    def invoke(self, ctx: click.Context) -> Any:
+        try:
+            return super().invoke(ctx)
+        except DatasetError as e:
+            raise click.ClickException(e.message) from None
+        except OSError as e:
+            if e.errno not in _OS_FIX:
+                raise
+            raise click.ClickException(f"{e.filename or ''}: {e.strerror}; {_OS_FIX[e.errno]}".lstrip(": ")) from None

@@ -1,0 +1,90 @@
+"""The writer lock of a dataset: one writer at a time, named to whoever else tries.
+
+`<root>/<kind>/.<name>[.<part>].lock` holds the holder's host, pid, start time and command line as
+JSON, and the holder keeps an exclusive `flock` on it for as long as it writes. The kernel drops that
+flock when the holder dies however it dies (kill -9, OOM, power loss of a client), so a lock can never
+stay stuck: a later writer finds the flock free, logs that it takes over from the holder named in the
+file, and writes its own name. A live holder's lock refuses the second writer with the holder's name.
+The file itself is never deleted while in use (a deleted lock file would let two writers hold two
+different inodes); a clean release empties it.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import sys
+from pathlib import Path
+from typing import Any
+
+from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso
+
+
+class WriterLock:
+    """`with WriterLock(ds, stage="01_synth"):` around everything that writes into `ds`.
+
+    `part` separates writers that may run side by side on one dataset by design (extract's
+    `--shard I/N` parts and torchrun ranks each take their own part's lock).
+    """
+
+    def __init__(self, ds: Dataset, *, stage: str, part: str = "") -> None:
+        self.ds, self.stage, self.part = ds, stage, part
+        self.path = lock_file(ds, part)
+        self._fd: int | None = None
+        self.took_over: dict[str, Any] | None = None
+
+    def acquire(self) -> "WriterLock":
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _read(fd)
+            os.close(fd)
+            what = f" part {self.part}" if self.part else ""
+            raise DatasetError(
+                f"{self.ds.ref}{what} is being written by {describe(holder)} (lock {self.path}); wait for it "
+                f"to end or stop it, or pick another --name. A crashed writer's lock is taken over on its own") from None
+        previous = _read(fd)
+        if previous:  # not released cleanly: its holder died while writing
+            self.took_over = previous
+            print(f"[eyas] {self.ds.ref}: taking over the writer lock left by {describe(previous)}, "
+                  f"which is no longer running (its partial output is checked on resume)", file=sys.stderr)
+        me = {"host": socket.gethostname(), "pid": os.getpid(), "started": now_iso(), "stage": self.stage,
+              "argv": sys.argv}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+        os.fsync(fd)
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)  # empty = released cleanly; the next writer has nothing to take over
+        except OSError:
+            pass
+        os.close(self._fd)  # closing drops the flock
+        self._fd = None
+
+    def __enter__(self) -> "WriterLock":
+        return self.acquire()
+
+    def __exit__(self, *exc: Any) -> None:
+        self.release()
+
+
+def _read(fd: int) -> dict[str, Any] | None:
+    try:
+        raw = os.pread(fd, 65536, 0)
+        return json.loads(raw) if raw.strip() else None
+    except (OSError, ValueError):
+        return {"host": "?", "pid": "?", "started": "?"}
+
+
+def describe(holder: dict[str, Any] | None) -> str:
+    h = holder or {}
+    return f"{h.get('stage', 'a writer')} pid {h.get('pid', '?')} on host {h.get('host', '?')} since {h.get('started', '?')}"

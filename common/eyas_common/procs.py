@@ -1,0 +1,58 @@
+"""Process conventions shared by the stages: torchrun's environment, and what SIGTERM does.
+
+SIGTERM (docker stop, kill, a scheduler's preemption) is handled exactly like Ctrl-C in synth,
+extract and train: it raises KeyboardInterrupt in the main thread, each stage keeps what it has
+finished (samples flushed, shards committed, the last checkpoint), prints how to resume, and exits
+with status 130.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any, NamedTuple
+
+from eyas_common.contract import DatasetError
+
+INTERRUPTED = 130  # the exit status of a stage stopped by Ctrl-C or SIGTERM
+
+
+class Ranks(NamedTuple):
+    rank: int
+    world: int
+    local_rank: int
+
+
+def torchrun_ranks() -> Ranks:
+    """(rank, world size, local rank) from torchrun's environment; (0, 1, 0) outside torchrun."""
+    env = os.environ
+    try:
+        r = Ranks(int(env.get("RANK", 0)), int(env.get("WORLD_SIZE", 1)), int(env.get("LOCAL_RANK", 0)))
+    except ValueError:
+        raise DatasetError(f"RANK={env.get('RANK')!r} WORLD_SIZE={env.get('WORLD_SIZE')!r} LOCAL_RANK="
+                           f"{env.get('LOCAL_RANK')!r}: expected integers (torchrun sets them); unset them to "
+                           f"run one process") from None
+    if r.world < 1 or not 0 <= r.rank < r.world or r.local_rank < 0:
+        raise DatasetError(f"RANK={r.rank} WORLD_SIZE={r.world} LOCAL_RANK={r.local_rank}: need 0 <= RANK < "
+                           f"WORLD_SIZE; unset them to run one process")
+    return r
+
+
+def _interrupt(*_: Any) -> None:
+    raise KeyboardInterrupt
+
+
+@contextmanager
+def sigterm_as_interrupt() -> Iterator[None]:
+    """Inside: SIGTERM raises KeyboardInterrupt, like Ctrl-C (main thread only; a no-op elsewhere)."""
+    try:
+        old = signal.signal(signal.SIGTERM, _interrupt)
+    except ValueError:  # not the main thread: signals cannot be handled here
+        yield
+        return
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, old)

@@ -1,0 +1,441 @@
+"""No lost, mixed or duplicated data: one regression test per defect of issue 7 (each fails on the code
+before it), writer locks with two real processes per stage, and the chain synth -> real extract ->
+train -> eval on the fixture with no test-only writer."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from eyas_common.cli import main as data_cli
+from eyas_common.contract import Dataset, DatasetError, JsonlAppender, iter_jsonl, repair_jsonl, verify
+from eyas_common.fixture import write_prompts_jsonl
+from eyas_common.hidden import open_hidden, shard_name
+from eyas_common.lock import WriterLock
+from eyas_common.samples import FAILURES, SAMPLES
+from eyas_synth.stub import start_stub
+
+PY = sys.executable
+BIG = 3 << 20  # records larger than the 1 MiB window the old repair looked at
+
+
+@pytest.fixture(scope="module")
+def tok(fixture_target):
+    from eyas_common.chat import load_tokenizer
+
+    return load_tokenizer(fixture_target)
+
+
+def env(root: Path) -> dict[str, str]:
+    return {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+
+
+def tree_bytes(path: Path) -> dict[str, bytes]:
+    return {p.relative_to(path).as_posix(): p.read_bytes() for p in sorted(path.rglob("*")) if p.is_file()}
+
+
+# ------------------------------------------------------------------------------------------------
+# 1. torn-line repair at any record size
+
+
+def test_repair_keeps_every_complete_record_whatever_its_size(tmp_path):
+    path = tmp_path / "s.jsonl"
+    small, big = {"id": 0, "x": "a"}, {"id": 1, "x": "b" * BIG}
+    with JsonlAppender(path) as w:
+        w.write(small)
+        w.write(big)
+    whole = path.read_bytes()
+    assert repair_jsonl(path) == 0 and path.read_bytes() == whole  # a valid last record > 1 MiB stays whole
+    with open(path, "ab") as f:
+        f.write(b'{"id": 2, "x": "' + b"c" * BIG)  # a torn last line > 1 MiB
+    assert repair_jsonl(path) == BIG + 16 and path.read_bytes() == whole
+    assert [r["id"] for _, r in iter_jsonl(path)] == [0, 1]
+    path.write_bytes(b'{"id": 0}\n{"id": 1, "x": "' + b"d" * BIG + b'\n')  # unparsable last line with newline
+    assert repair_jsonl(path) == BIG + 17 and path.read_bytes() == b'{"id": 0}\n'
+
+
+# ------------------------------------------------------------------------------------------------
+# 4 and 10: eyas-data never follows a link into another dataset; one bad manifest hides nothing
+
+
+def test_rm_deletes_a_link_not_its_target_and_list_survives_bad_manifests(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    real = tmp_path / "synth" / "real"
+    real.mkdir(parents=True)
+    (real / "manifest.json").write_text(json.dumps({"schema": "eyas.synth/1", "status": "complete"}))
+    (tmp_path / "synth" / "alias").symlink_to(real)
+    r = CliRunner().invoke(data_cli, ["rm", "synth/alias", "--yes"])
+    assert r.exit_code == 0 and "deleted the link" in r.output, r.output
+    assert (real / "manifest.json").exists() and not (tmp_path / "synth" / "alias").is_symlink()
+    (tmp_path / "synth" / "plain").write_text("x")
+    r = CliRunner().invoke(data_cli, ["rm", "synth/plain", "--yes"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and "is a file, not a dataset folder" in r.output
+    for name, text in (("array", "[]"), ("binary", "\xff\xfe"), ("nulls", "{")):
+        (tmp_path / "synth" / name).mkdir()
+        (tmp_path / "synth" / name / "manifest.json").write_bytes(text.encode("latin-1"))
+    r = CliRunner().invoke(data_cli, ["list"])
+    assert r.exit_code == 0 and "synth/real" in r.output and r.output.count("unreadable manifest") == 3, r.output
+
+
+# ------------------------------------------------------------------------------------------------
+# 5-7: synth is complete only with what was asked; failures stop the run; a refused rerun changes nothing
+
+
+def synth_cli(root: Path, *args: str, timeout: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([PY, "-m", "eyas_synth.cli", "run", "--quiet", *args], env=env(root),
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def prompts(tmp_path_factory) -> Path:
+    return write_prompts_jsonl(tmp_path_factory.mktemp("p") / "prompts.jsonl", 6, seed=2)
+
+
+def test_all_failed_run_stops_at_once_and_stays_partial(tmp_path, fixture_target, prompts):
+    from eyas_synth.stub import Faults
+
+    with start_stub(faults=Faults(rates={"500": 1.0})) as stub:
+        r = synth_cli(tmp_path, "--prompts", str(prompts), "--name", "dead", "--model", str(fixture_target),
+                      "--server", stub.url, "--max-attempts", "1", "--concurrency", "2")
+    assert r.returncode == 1 and r.stderr.strip().splitlines()[-1].startswith("Error: synth/dead: the first 6 "
+                                                                              "requests all failed alike"), r.stderr
+    assert "injected 500" in r.stderr and "Traceback" not in r.stderr
+    m = Dataset.parse("dead", "synth", tmp_path).read_manifest()
+    assert m["status"] == "partial"
+
+
+@pytest.mark.parametrize("opt", [["--n", "0"], ["--n", "-3"], ["--concurrency", "0"], ["--max-tokens", "0"],
+                                 ["--max-attempts", "0"], ["--timeout", "0"], ["--top-p", "1.5"]])
+def test_synth_numeric_options_are_range_checked(tmp_path, fixture_target, prompts, opt):
+    r = synth_cli(tmp_path, "--prompts", str(prompts), "--name", "x", "--model", str(fixture_target),
+                  "--server", "http://127.0.0.1:9", *opt)
+    assert r.returncode == 2 and f"Invalid value for '{opt[0]}'" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "synth").exists()
+
+
+def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target, prompts, tok):
+    from test_synth import rendering_answer
+
+    answer = rendering_answer(tok)
+    calls = {"n": 0}
+
+    def flaky(payload):  # every third request fails with a 500, whatever the attempt
+        calls["n"] += 1
+        if payload["seed"] % 3 == 0:
+            raise RuntimeError("flaky")
+        return answer(payload)
+
+    kw = dict(prompts=prompts, name="short", model=fixture_target, n=6, max_attempts=1, served_model="fixture",
+              data_root=tmp_path, progress=False)
+    from eyas_synth.run import run as synth
+
+    with start_stub(answer=flaky) as stub:
+        with pytest.raises(DatasetError, match=r"stays partial: 4 samples .* 2 missing of 6 asked, [\d.]+ s; failed ids \[0, 3\]"):
+            synth(servers=[stub.url], **kw)
+        ds = Dataset.parse("short", "synth", tmp_path)
+        assert ds.read_manifest()["status"] == "partial"
+        stats = synth(servers=[stub.url], allow_missing="40%", **kw)
+    m = ds.read_manifest()
+    assert m["status"] == "complete" and stats["missing"] == [0, 3] and m["params"]["allow_missing"] == "40%"
+    assert {r["id"] for _, r in iter_jsonl(ds.path / FAILURES)} == {0, 3}
+    # downstream stages print the shortfall
+    from eyas_common.samples import shortfall_note
+
+    assert "accepted with 2 of 6 samples missing (--allow-missing 40%)" in shortfall_note(m)
+
+
+def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, prompts, tok):
+    from test_synth import rendering_answer
+
+    from eyas_synth.run import run as synth
+
+    answer, calls = rendering_answer(tok), {"n": 0}
+
+    def dies(payload):
+        calls["n"] += 1
+        if calls["n"] > 2:
+            raise RuntimeError("server died")
+        return answer(payload)
+
+    with start_stub(answer=dies) as stub:
+        t0 = time.monotonic()
+        with pytest.raises(DatasetError, match=r"stopped: every server failed for \d+ s \(--breaker 1\)"):
+            synth(prompts=prompts, name="breaker", model=fixture_target, servers=[stub.url], n=6, concurrency=1,
+                  max_attempts=1000, breaker_s=1.0, served_model="fixture", data_root=tmp_path, progress=False)
+        stopped_after = time.monotonic() - t0
+    ds = Dataset.parse("breaker", "synth", tmp_path)
+    assert ds.read_manifest()["status"] == "partial"
+    assert sum(1 for _ in iter_jsonl(ds.path / SAMPLES)) == 2
+    assert stopped_after < 60  # without a breaker: 1000 attempts of up to 30 s backoff each
+
+
+def test_refused_rerun_leaves_the_dataset_byte_identical(tmp_path, fixture_target, prompts, tok):
+    from test_synth import rendering_answer
+
+    from eyas_synth.run import run as synth
+
+    kw = dict(prompts=prompts, name="done", model=fixture_target, served_model="fixture", data_root=tmp_path,
+              progress=False)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        synth(servers=[stub.url], n=6, **kw)
+        ds = Dataset.parse("done", "synth", tmp_path)
+        before = tree_bytes(ds.path)
+        with pytest.raises(DatasetError, match=r"ids up to 5, more than --n 4"):
+            synth(servers=[stub.url], n=4, **kw)
+        with pytest.raises(DatasetError, match=r"made with temperature=0\.6 \(now 0\.1\)"):
+            synth(servers=[stub.url], n=6, temperature=0.1, **kw)
+        assert tree_bytes(ds.path) == before
+        synth(servers=[stub.url], n=6, **kw)  # an accepted rerun of a complete dataset writes nothing either
+        assert tree_bytes(ds.path) == before
+
+
+def test_resume_by_other_code_needs_allow_code_change(tmp_path, fixture_target, prompts, tok, monkeypatch):
+    from test_synth import rendering_answer
+
+    from eyas_synth.run import run as synth
+
+    kw = dict(prompts=prompts, name="mixed", model=fixture_target, served_model="fixture", data_root=tmp_path,
+              progress=False)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        monkeypatch.setenv("EYAS_IMAGE_TAG", "eyas:old")
+        synth(servers=[stub.url], n=3, **kw)
+        monkeypatch.setenv("EYAS_IMAGE_TAG", "eyas:new")
+        ds = Dataset.parse("mixed", "synth", tmp_path)
+        before = tree_bytes(ds.path)
+        with pytest.raises(DatasetError, match=r"written by code version eyas:old, this is eyas:new.*--allow-code-change"):
+            synth(servers=[stub.url], n=6, **kw)
+        assert tree_bytes(ds.path) == before
+        synth(servers=[stub.url], n=6, allow_code_change=True, **kw)
+    assert [p["git"] for p in ds.read_manifest()["producers"]] == ["eyas:old", "eyas:new"]
+
+
+def test_prompt_and_model_mistakes_get_one_line(tmp_path, fixture_target):
+    binary = tmp_path / "p.jsonl"
+    binary.write_bytes(b'{"messages": [{"role": "user", "content": "hi"}]}\n\x89PNG\xff\x00\n')
+    badrole = tmp_path / "r.jsonl"
+    badrole.write_text(json.dumps({"messages": [{"role": "wizard", "content": "hi"}, {"role": "user", "content": "x"}]}) + "\n")
+    with start_stub() as stub:
+        cases = [
+            (["--prompts", str(binary), "--model", str(fixture_target)], f"{binary}:2: not UTF-8 text"),
+            (["--prompts", str(badrole), "--model", str(fixture_target)], "prompt 1 (counting non-blank lines) is refused by"),
+            (["--prompts", str(badrole), "--model", "fixtur"], "Invalid value for '--model': Directory 'fixtur' does not exist"),
+        ]
+        for args, message in cases:
+            r = synth_cli(tmp_path, *args, "--name", "m", "--server", stub.url)
+            assert r.returncode in (1, 2) and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
+def test_read_only_data_root_is_one_line(tmp_path, fixture_target, prompts):
+    if os.geteuid() == 0:  # root writes anywhere: make the root a file's child instead (ENOTDIR is not it)
+        ro = tmp_path / "ro"
+        ro.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", "ro", "tmpfs", str(ro)], check=False, capture_output=True)
+        if not os.path.ismount(ro):
+            pytest.skip("cannot mount a read-only tmpfs here")
+    else:
+        ro = tmp_path / "ro"
+        ro.mkdir(mode=0o555)
+    try:
+        with start_stub() as stub:
+            r = synth_cli(ro, "--prompts", str(prompts), "--name", "x", "--model", str(fixture_target),
+                          "--server", stub.url)
+        assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+        assert "read-only" in r.stderr or "no permission" in r.stderr
+    finally:
+        if os.path.ismount(ro):
+            subprocess.run(["umount", str(ro)], check=False)
+
+
+# ------------------------------------------------------------------------------------------------
+# 2: one writer per dataset, two real processes per stage
+
+
+def wait_for_holder(lock: Path, proc: subprocess.Popen, timeout: float = 300) -> dict:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and proc.poll() is None:
+        if lock.exists() and lock.read_text().strip():
+            return json.loads(lock.read_text())
+        time.sleep(0.01)
+    raise AssertionError(f"the first writer never took {lock} (exit {proc.poll()}): "
+                         f"{proc.stdout.read() if proc.poll() is not None else ''}")
+
+
+def second_writer_refused(root: Path, first: list[str], second: list[str], lock: Path) -> subprocess.Popen:
+    """Start `first`, freeze it while it holds the lock, run `second`: it must be refused naming the holder."""
+    proc = subprocess.Popen(first, env=env(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    holder = wait_for_holder(lock, proc)
+    os.kill(proc.pid, signal.SIGSTOP)
+    try:
+        r = subprocess.run(second, env=env(root), capture_output=True, text=True, timeout=300)
+    finally:
+        os.kill(proc.pid, signal.SIGCONT)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert f"is being written by {holder['stage']} pid {proc.pid} on host {holder['host']}" in r.stderr, r.stderr
+    return proc
+
+
+def test_two_synth_writers_one_refused_then_stale_lock_taken_over(tmp_path, fixture_target, prompts, tok):
+    from test_synth import rendering_answer
+
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        cmd = [PY, "-m", "eyas_synth.cli", "run", "--quiet", "--prompts", str(prompts), "--name", "race",
+               "--model", str(fixture_target), "--server", stub.url, "--n", "30", "--served-model", "fixture"]
+        lock = tmp_path / "synth" / ".race.lock"
+        proc = second_writer_refused(tmp_path, cmd, cmd, lock)
+        assert proc.wait(timeout=300) == 0, proc.stdout.read()
+        ds = Dataset.parse("race", "synth", tmp_path)
+        ids = [r["id"] for _, r in iter_jsonl(ds.path / SAMPLES)]
+        assert sorted(ids) == list(range(30)) and verify(ds) == []
+        # a writer killed while holding the lock: the next one takes over, and says so
+        proc = subprocess.Popen(cmd[:-4] + ["--n", "60", "--served-model", "fixture"], env=env(tmp_path),
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        wait_for_holder(lock, proc)
+        proc.kill()
+        proc.wait()
+        r = subprocess.run(cmd[:-4] + ["--n", "60", "--served-model", "fixture"], env=env(tmp_path),
+                           capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and f"taking over the writer lock left by 01_synth pid {proc.pid}" in r.stderr, r.stderr
+    assert sorted(r["id"] for _, r in iter_jsonl(ds.path / SAMPLES)) == list(range(60))
+
+
+def test_lock_refuses_in_process_too(tmp_path):
+    ds = Dataset.parse("x", "hidden", tmp_path)
+    with WriterLock(ds, stage="02_extract", part="worker-0-of-1"):
+        proc = subprocess.run([PY, "-c", "from pathlib import Path\nfrom eyas_common.contract import Dataset\n"
+                               "from eyas_common.lock import WriterLock\n"
+                               f"WriterLock(Dataset.parse('x', 'hidden', Path({str(tmp_path)!r})), stage='t', "
+                               "part='worker-0-of-1').acquire()"], capture_output=True, text=True)
+        assert proc.returncode != 0 and "is being written by 02_extract" in proc.stderr
+        # another part is another writer: allowed side by side
+        with WriterLock(ds, stage="02_extract", part="worker-1-of-2"):
+            pass
+
+
+# ------------------------------------------------------------------------------------------------
+# 3, 8 and the chain: synth -> real extract -> train -> eval, no test-only writer
+
+
+@pytest.fixture(scope="module")
+def chain(tmp_path_factory, fixture_target, tok):
+    """synth/c from the stub through the real stage 01, hidden/c from the real stage 02."""
+    from test_synth import rendering_answer
+
+    from eyas_extract.run import run as extract
+    from eyas_synth.run import run as synth
+
+    root = tmp_path_factory.mktemp("chain")
+    prompts = write_prompts_jsonl(root / "prompts.jsonl", 12, seed=4)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        synth(prompts=prompts, name="c", model=fixture_target, servers=[stub.url], n=12, served_model="fixture",
+              data_root=root, progress=False)
+    extract(synth="synth/c", model=fixture_target, name="c", shard_samples=4, data_root=root, progress=False)
+    return root
+
+
+TRAIN = ["--epochs", "1", "--batch-size", "2", "--ttt-steps", "2", "--draft-vocab", "256", "--log-every", "2",
+         "--ckpt-every", "2"]
+
+
+def train_cli(root: Path, fixture_target: Path, name: str, *extra: str, hidden: str = "hidden/c") -> list[str]:
+    return [PY, "-m", "eyas_train.cli", "run", "--hidden", hidden, "--model", str(fixture_target), "--name", name,
+            *TRAIN, *extra]
+
+
+def test_chain_synth_extract_train_eval(chain, fixture_target, tmp_path):
+    root = chain
+    r = subprocess.run(train_cli(root, fixture_target, "d"), env=env(root), capture_output=True, text=True,
+                       timeout=600)
+    assert r.returncode == 0, r.stderr
+    held_out = write_prompts_jsonl(tmp_path / "held.jsonl", 2, seed=9)
+    r = subprocess.run([PY, "-m", "eyas_train.cli", "eval", "--draft", "drafts/d", "--model", str(fixture_target),
+                        "--prompts", str(held_out), "--max-tokens", "16"], env=env(root), capture_output=True,
+                       text=True, timeout=600)
+    assert r.returncode == 0, r.stderr
+    result = json.loads(r.stdout)
+    assert result["acceptance_length"] >= 1.0
+    # export --out never overwrites another dataset
+    r = subprocess.run([PY, "-m", "eyas_train.cli", "export", "d", "--out", "d"], env=env(root), capture_output=True,
+                       text=True)
+    assert r.returncode == 0  # --out NAME == NAME is an export into itself
+    before = tree_bytes(root / "hidden" / "c")
+    Path(root / "drafts").mkdir(exist_ok=True)
+    r = subprocess.run([PY, "-m", "eyas_train.cli", "export", "d", "--out", "../hidden/c"], env=env(root),
+                       capture_output=True, text=True)
+    assert r.returncode != 0 and "Traceback" not in r.stderr
+    (root / "drafts" / "other").mkdir()
+    r = subprocess.run([PY, "-m", "eyas_train.cli", "export", "d", "--out", "other"], env=env(root),
+                       capture_output=True, text=True)
+    assert r.returncode == 1 and "export never overwrites a dataset" in r.stderr and "Traceback" not in r.stderr
+    assert tree_bytes(root / "hidden" / "c") == before
+
+
+def test_training_reads_exactly_the_manifest(chain, fixture_target):
+    import shutil
+
+    root = chain
+    hidden = root / "hidden"
+    shutil.copytree(hidden / "c", hidden / "gone")
+    (hidden / "gone" / shard_name(1)).unlink()
+    shutil.copytree(hidden / "c", hidden / "stray")
+    (hidden / "stray" / "shard-00009.safetensors").write_bytes((hidden / "c" / shard_name(0)).read_bytes())
+    shutil.copytree(hidden / "c", hidden / "cut")
+    with open(hidden / "cut" / shard_name(2), "r+b") as f:
+        f.truncate(100)
+    cases = {"gone": f"{shard_name(1)} is listed in the manifest but missing",
+             "stray": "shard-00009.safetensors is in",
+             "cut": f"{shard_name(2)} is 100 bytes, the manifest says"}
+    for name, message in cases.items():
+        r = subprocess.run(train_cli(root, fixture_target, f"d_{name}", hidden=f"hidden/{name}"), env=env(root),
+                           capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+        assert not (root / "drafts" / f"d_{name}").exists()
+    with pytest.raises(DatasetError, match="missing"):
+        open_hidden("hidden/gone", root)
+
+
+@pytest.mark.parametrize("opt", [["--keep-ckpts", "-1"], ["--batch-size", "0"], ["--epochs", "-1"], ["--lr", "0"],
+                                 ["--max-len", "0"], ["--step-decay", "0"]])
+def test_train_numeric_options_are_range_checked(opt, fixture_target, tmp_path):
+    r = subprocess.run(train_cli(tmp_path, fixture_target, "x", *opt), env=env(tmp_path), capture_output=True,
+                       text=True)
+    assert r.returncode == 2 and f"Invalid value for '{opt[0]}'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_two_extract_and_two_train_writers(chain, fixture_target):
+    root = chain
+    first = [PY, "-m", "eyas_extract.cli", "run", "--synth", "synth/c", "--model", str(fixture_target), "--name",
+             "twice", "--shard-samples", "2", "--quiet"]
+    proc = second_writer_refused(root, first, first, root / "hidden" / ".twice.worker-0-of-1.lock")
+    assert proc.wait(timeout=300) == 0, proc.stdout.read()
+    assert verify(Dataset.parse("twice", "hidden", root)) == []
+    assert not [p for p in (root / "hidden" / "twice").iterdir() if ".tmp-" in p.name]
+    cmd = train_cli(root, fixture_target, "twice", "--ckpt-every", "1")
+    proc = second_writer_refused(root, cmd, cmd, root / "drafts" / ".twice.lock")
+    assert proc.wait(timeout=600) == 0, proc.stdout.read()
+    assert Dataset.parse("twice", "drafts", root).read_manifest()["status"] == "complete"
+
+
+# ------------------------------------------------------------------------------------------------
+# 6 against the real server: its context length, and its own 4xx message
+
+
+@pytest.mark.vllm
+def test_synth_fits_max_tokens_to_real_vllm_and_stops_on_its_4xx(vllm_server, fixture_target, tmp_path, prompts):
+    from eyas_synth.run import run as synth
+
+    # vLLM serves the fixture with --max-model-len 1024; the default --max-tokens is 4096.
+    stats = synth(prompts=prompts, name="fit", model=fixture_target, servers=[vllm_server.url], n=2,
+                  data_root=tmp_path, progress=False)
+    m = Dataset.parse("fit", "synth", tmp_path).read_manifest()
+    assert m["status"] == "complete" and stats["samples"] == 2 and m["params"]["max_model_len"] == 1024
+    with pytest.raises(DatasetError, match=r"the first 2 requests all failed alike, so the run stopped: HTTP 404"):
+        synth(prompts=prompts, name="wrongmodel", model=fixture_target, servers=[vllm_server.url], n=2,
+              served_model="no-such-model", data_root=tmp_path, progress=False)
