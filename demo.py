@@ -1,6 +1,7 @@
 """make demo: the pipeline end to end on the tiny fixture target, on CPU, with real vLLM.
 
-fixture target -> vLLM server -> 01 synth -> validate -> 02 extract -> 03 train -> eval in vLLM.
+fixture target -> vLLM server -> 01 synth -> validate -> 02 extract -> 03 train -> offline eval (eyas-train
+eval: chain speculative decoding in this process, greedy verification against the HF target).
 Data goes to $EYAS_DATA (make demo sets ./data/demo); rerunning resumes every stage.
 """
 

@@ -2,9 +2,12 @@
 # Stage 02 GPU check, for a lent GPU machine: throughput and bytes ratios on a 24-layer, H-1024 bf16
 # Llama (random init, the fixture's tokenizer), plus the hf-vs-vllm agreement test when vLLM is there.
 #
-# Needs torch (CUDA), transformers, tokenizers, safetensors, tqdm, click in $PYTHON; the eyas packages
-# come from this checkout. Carry the built fixture (`.cache/fixtures`, ~9 MB) so it is not retrained:
-#   run(command="bash bench/extract_gpu.sh", carry=[".cache/fixtures"], timeout_s=480)
+# On the GPU machine:
+#   1. install: python3 -m pip install torch transformers tokenizers safetensors tqdm click (CUDA torch);
+#      the eyas packages are used straight from this checkout (PYTHONPATH below), nothing else to install
+#   2. copy over: this checkout, and the built fixture `.cache/fixtures` (~9 MB) so it is not retrained,
+#      e.g. rsync -a --exclude .venv --exclude data ./ gpu-host:eyas/
+#   3. run: cd eyas && bash bench/extract_gpu.sh   (about 8 minutes; extra options go to bench/extract.py)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}

@@ -166,15 +166,14 @@ def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, pr
         return answer(payload)
 
     with start_stub(answer=dies) as stub:
-        t0 = time.monotonic()
         with pytest.raises(DatasetError, match=r"stopped: every server failed for \d+ s \(--breaker 1\)"):
             synth(prompts=prompts, name="breaker", model=fixture_target, servers=[stub.url], n=6, concurrency=1,
                   max_attempts=1000, breaker_s=1.0, served_model="fixture", data_root=tmp_path, progress=False)
-        stopped_after = time.monotonic() - t0
     ds = Dataset.parse("breaker", "synth", tmp_path)
     assert ds.read_manifest()["status"] == "partial"
     assert sum(1 for _ in iter_jsonl(ds.path / SAMPLES)) == 2
-    assert stopped_after < 60  # without a breaker: 1000 attempts of up to 30 s backoff each
+    # without a breaker sample 2 alone would be tried 1000 times (with up to 30 s backoff each), then the rest
+    assert calls["n"] < 200
 
 
 def test_refused_rerun_leaves_the_dataset_byte_identical(tmp_path, fixture_target, prompts, tok):

@@ -112,7 +112,7 @@ def reference(hd, model) -> dict[int, dict[str, torch.Tensor]]:
     """Each sample's rows recomputed with output_hidden_states=True over the same batches as the run."""
     cfg = ExtractConfig(**hd.params)
     out = {}
-    for path in hd.paths:
+    for path in hd.files:
         with safe_open(path, "pt") as f:
             offsets, ids, sids = f.get_tensor("offsets"), f.get_tensor("input_ids"), f.get_tensor("sample_ids")
         seqs = [ids[offsets[k]:offsets[k + 1]].tolist() for k in range(len(sids))]
@@ -198,7 +198,7 @@ def test_extract_shapes_offsets_and_hooks(root, baseline, target):
     assert s["masked_tokens"] == sum(sum(r["loss_mask"]) for r in samples.values())
     assert s["bytes"] == sum(f["bytes"] for f in m["files"] if f["name"].startswith("shard-"))
     assert s["bytes_per_token"] == pytest.approx(s["bytes"] / s["tokens"], abs=0.01) and s["tokens_per_s"] > 0
-    assert len(hd.paths) == p["num_shards"] == 4  # 12 samples, 3 per shard
+    assert len(hd.files) == p["num_shards"] == 4  # 12 samples, 3 per shard
     ref = reference(hd, target)
     for j, sid in enumerate(hd.sample_ids):
         row = hd.sample(j)

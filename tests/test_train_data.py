@@ -147,8 +147,8 @@ def test_teacher_final_and_topk_agree(small, fixture_target, tmp_path):
     pb, tb = t(b)
     assert pa.shape == pb.shape == (3, a["input_ids"].shape[1], 600)
     real = torch.arange(a["input_ids"].shape[1])[None] < a["length"][:, None]
-    assert torch.equal(ta[real], tb[real])
-    # bf16 final states against fp32 logits: close, not equal.
+    # bf16 final states against fp32 logits: close, not equal (a near-tie may flip the top token).
+    assert (ta[real] != tb[real]).float().mean() < 0.02
     assert (pa - pb)[real].abs().max() < 0.03
     assert torch.allclose(pa[real].sum(-1), torch.ones(int(real.sum())), atol=1e-4)
 

@@ -91,4 +91,3 @@ def test_trained_draft_speculates_in_vllm(fixture_target, tmp_path_factory):
     assert trained_vllm["acceptance_length"] >= 3.3, report
     assert untrained_vllm["acceptance_length"] < 1.5, report
     assert abs(offline["acceptance_length"] - trained_vllm["acceptance_length"]) <= 0.15, report
-    assert train_s < 600 * 1.5, report

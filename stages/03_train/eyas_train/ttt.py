@@ -1,7 +1,8 @@
 """Training-time test (TTT): the draft unrolled over its own outputs, its attention mask and its loss.
 
 Notation. A sample is target tokens x_0..x_{T-1}; the stored row t holds the target's states computed
-AT position t: aux_t (the 3 aux layers) and its distribution P_t = p(. | x_0..x_t) over x_{t+1}.
+AT position t: aux_t (the n_aux aux layers stage 02 stored, `params.layers`; three by default) and its
+distribution P_t = p(. | x_0..x_t) over x_{t+1}.
 
 What vLLM runs (v1/spec_decode/llm_base_proposer.py): after the target has verified up to token
 x_{t+1}, the first draft pass puts at every position t the input token x_{t+1} (`input_ids` shifted left
@@ -20,7 +21,7 @@ t+1..t+k. So, with the rows of every step indexed by the root t:
 Rows whose shifted index runs past the sample end have mask 0. Padding sits after a sample's last row,
 so the causal step-0 block never shows it to a real row and no extra padding mask is needed.
 
-Loss: sum over steps k of 0.8**k * (sum over counted rows of H(P_{t+1+k}|draft, q_k[t])) / (number of
+Loss: sum over steps k of decay**k (--step-decay, 0.8 by default) * (sum over counted rows of H(P_{t+1+k}|draft, q_k[t])) / (number of
 counted rows at step k in the global batch), H(p, q) = -sum_v p_v log q_v over the draft vocabulary.
 """
 
