@@ -30,6 +30,7 @@ import torch
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
 from eyas_common.contract import Dataset, JsonlAppender, finalize, new_manifest
 from eyas_common.fixture import REPO_ROOT, build_fixture, fixture_prompts
+from eyas_common.samples import SAMPLES
 from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
 from eyas_extract.capture import find_parts
 from eyas_extract.config import ExtractConfig
@@ -68,7 +69,7 @@ def make_synth(root: Path, target: Path, n: int, lo: int, hi: int, seed: int = 0
     ds.path.mkdir(parents=True)
     manifest = new_manifest("synth", stage="bench", target=target_fingerprint(tok, target), inputs=[],
                             params={"bench": "fixture prompts + random completions", "n": n, "lengths": [lo, hi]})
-    with JsonlAppender(ds.path / "samples.jsonl") as w:
+    with JsonlAppender(ds.path / SAMPLES) as w:
         for i, p in enumerate(fixture_prompts(n, seed)):
             prompt = render_prompt(tok, p["messages"])
             k = max(2, rng.randint(lo, hi) - len(prompt))
@@ -77,7 +78,7 @@ def make_synth(root: Path, target: Path, n: int, lo: int, hi: int, seed: int = 0
                      "content": "", "input_ids": prompt + completion,
                      "loss_mask": [0] * len(prompt) + [1] * len(completion), "finish_reason": "stop",
                      "source": "rendered"})
-    finalize(ds, manifest, stats={"samples": n}, records={"samples.jsonl": n})
+    finalize(ds, manifest, stats={"samples": n}, records={SAMPLES: n})
     return ds.ref
 
 
@@ -123,7 +124,7 @@ def main() -> None:
                       shard_samples=args.shard_samples, device=str(device), progress=False)
         first = extract(name="x0", **common)
         cfg = ExtractConfig(**Dataset.parse("hidden/x0", root=root).read_manifest()["params"])
-        samples_path = root / "synth" / "bench" / "samples.jsonl"
+        samples_path = root / "synth" / "bench" / SAMPLES
         plan = plan_shards(index_samples(samples_path, cfg.vocab_size), cfg.shard_samples, cfg.shard_tokens)
         batches = []
         for refs in plan:

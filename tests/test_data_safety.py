@@ -138,7 +138,7 @@ def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target,
     from eyas_synth.run import run as synth
 
     with start_stub(answer=flaky) as stub:
-        with pytest.raises(DatasetError, match=r"stays partial: 4 samples .* 2 missing of 6 asked, [\d.]+ s; failed ids \[0, 3\]"):
+        with pytest.raises(DatasetError, match=r"stays partial: 4 samples .* 2 missing of 6 asked \(2 failed, 0 rejected\), [\d.]+ s; missing ids \[0, 3\]"):
             synth(servers=[stub.url], **kw)
         ds = Dataset.parse("short", "synth", tmp_path)
         assert ds.read_manifest()["status"] == "partial"
@@ -438,3 +438,33 @@ def test_synth_fits_max_tokens_to_real_vllm_and_stops_on_its_4xx(vllm_server, fi
     with pytest.raises(DatasetError, match=r"the first 2 requests all failed alike, so the run stopped: HTTP 404"):
         synth(prompts=prompts, name="wrongmodel", model=fixture_target, servers=[vllm_server.url], n=2,
               served_model="no-such-model", data_root=tmp_path, progress=False)
+
+
+def test_synth_stats_agree_whether_or_not_the_run_was_interrupted(tmp_path, fixture_target, tok):
+    """Stats come from the files: a run stopped half way and resumed reports what one run reports."""
+    from test_synth import rendering_answer
+
+    from eyas_synth.run import run as synth
+
+    prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 14, seed=3)
+    kw = dict(prompts=prompts, model=fixture_target, served_model="fixture", drop_truncated=True,
+              data_root=tmp_path, progress=False)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        whole = synth(name="whole", servers=[stub.url], n=14, **kw)
+        synth(name="halves", servers=[stub.url], n=7, **kw)
+        halves = synth(name="halves", servers=[stub.url], n=14, **kw)
+    assert whole["truncated_dropped"] > 0  # the case the old live counters got wrong
+    measured = ("wall_s_last_run", "samples_per_s_last_run", "completion_tokens_per_s_last_run", "client")
+    assert {k: v for k, v in whole.items() if k not in measured} == \
+        {k: v for k, v in halves.items() if k not in measured}
+
+
+def test_all_rejected_is_never_complete(tmp_path, fixture_target, prompts):
+    """Answers in another template's ids are all rejected: the dataset has nothing to train on, so it is
+    not complete, whatever --allow-missing says (the old code marked it complete with 0 samples)."""
+    r = None
+    with start_stub() as stub:  # the stub's own tiny answers do not match the fixture's template
+        r = synth_cli(tmp_path, "--prompts", str(prompts), "--name", "rej", "--model", str(fixture_target),
+                      "--server", stub.url, "--allow-missing", "100%")
+    assert r.returncode == 1 and "stays partial: 0 samples" in r.stderr and "no sample is never complete" in r.stderr
+    assert Dataset.parse("rej", "synth", tmp_path).read_manifest()["status"] == "partial"

@@ -149,7 +149,7 @@ def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_targe
                            "no_ids": 0.2}, retry_after="0", seed=1)
     n = 80
     with start_stub(answer=rendering_answer(tok), faults=faults) as stub:
-        with pytest.raises(DatasetError, match=r"synth/faulty stays partial: .* failed ids \[.*--allow-missing"):
+        with pytest.raises(DatasetError, match=r"synth/faulty stays partial: .* missing ids \[.*--allow-missing"):
             synth(prompts=prompts, name="faulty", model=fixture_target, servers=[stub.url], n=n,
                   concurrency=16, timeout_s=1.5, max_attempts=2, served_model="fixture", data_root=tmp_path,
                   progress=False)

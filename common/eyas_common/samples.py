@@ -85,41 +85,59 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     if problems:
         return problems
     tokens = tokens or ChatTokens.of(tokenizer)
-    ids, mask = sample["input_ids"], sample["loss_mask"]
+    problems, p = _mask_problems(sample["input_ids"], sample["loss_mask"])
+    if p is None:
+        return problems
+    prompt, completion = sample["input_ids"][:p], sample["input_ids"][p:]
+    if check_prompt:
+        problems += _prompt_problems(prompt, render_prompt(tokenizer, sample["messages"], sample.get("thinking", True)))
+    finished = sample["finish_reason"] != "length"
+    problems += _wrapper_problems(sample, prompt, completion, tokens, finished)
+    if problems:
+        return problems
+    return _text_problems(sample, completion, tokenizer, tokens, finished)
+
+
+def _mask_problems(ids: list[int], mask: list[int]) -> tuple[list[str], int | None]:
+    """Problems of the loss mask, and where the completion starts (None: nothing more can be checked)."""
     if len(ids) != len(mask):
-        return [f"input_ids has {len(ids)} tokens but loss_mask {len(mask)}"]
+        return [f"input_ids has {len(ids)} tokens but loss_mask {len(mask)}"], None
     if any(m not in (0, 1) for m in mask):
-        return ["loss_mask holds values other than 0/1"]
+        return ["loss_mask holds values other than 0/1"], None
     p = completion_start(mask)
     if p == len(mask):
-        return ["loss_mask is all zero: no completion to train on"]
+        return ["loss_mask is all zero: no completion to train on"], None
+    problems = []
     if p == 0:
         problems.append("loss_mask covers the prompt start: no prompt tokens")
     if any(m == 0 for m in mask[p:]):
         problems.append("loss_mask is not one span at the end: the completion has unmasked holes")
-    prompt, completion = ids[:p], ids[p:]
+    return problems, p
 
-    if check_prompt:
-        expected = render_prompt(tokenizer, sample["messages"], sample.get("thinking", True))
-        if prompt != expected:
-            at = next((i for i, (a, b) in enumerate(zip(prompt, expected)) if a != b), min(len(prompt), len(expected)))
-            problems.append(f"prompt ids differ from the chat template's rendering of messages at token {at} "
-                            f"({len(prompt)} vs {len(expected)} tokens)")
 
-    finished = sample["finish_reason"] != "length"
+def _prompt_problems(prompt: list[int], expected: list[int]) -> list[str]:
+    if prompt == expected:
+        return []
+    at = next((i for i, (a, b) in enumerate(zip(prompt, expected)) if a != b), min(len(prompt), len(expected)))
+    return [f"prompt ids differ from the chat template's rendering of messages at token {at} "
+            f"({len(prompt)} vs {len(expected)} tokens)"]
+
+
+def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: list[int], tokens: ChatTokens,
+                      finished: bool) -> list[str]:
+    """End-of-turn and thinking-wrapper placement."""
+    problems = []
     eot = tokens.end_of_turn
     if finished and completion[-1] != eot:
         problems.append(f"finish_reason {sample['finish_reason']!r} but the stream does not end with the "
                         f"end-of-turn token {eot}")
     if eot in completion[:-1]:
         problems.append("end-of-turn token inside the completion before its end")
-
     reasoning = sample.get("reasoning") or ""
     opened_in_prompt = tokens.think_open is not None and prompt[-1:] == [tokens.think_open]
     opened_in_completion = tokens.think_open is not None and completion[:1] == [tokens.think_open]
-    body_start = 1 if opened_in_completion else 0
-    close_at = [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
-    if tokens.think_open is not None and tokens.think_open in completion[body_start:]:
+    close_at = _closes(completion, tokens)
+    if tokens.think_open is not None and tokens.think_open in completion[1 if opened_in_completion else 0:]:
         problems.append("a <think> token inside the completion")
     if len(close_at) > 1:
         problems.append(f"{len(close_at)} </think> tokens in the completion")
@@ -129,9 +147,20 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     if (reasoning.strip() or opened_in_prompt or opened_in_completion) and not close_at and finished:
         problems.append("thinking block opened (or reasoning present) but no </think> before the end of turn: "
                         "the model never closed it, or reasoning and answer were joined without the thinking wrappers")
-    if problems:
-        return problems
+    return problems
 
+
+def _closes(completion: list[int], tokens: ChatTokens) -> list[int]:
+    return [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
+
+
+def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer,
+                   tokens: ChatTokens, finished: bool) -> list[str]:
+    """The ids between the wrappers decode to the stored reasoning and content."""
+    problems = []
+    reasoning = sample.get("reasoning") or ""
+    body_start = 1 if tokens.think_open is not None and completion[:1] == [tokens.think_open] else 0
+    close_at = _closes(completion, tokens)
     end = len(completion) - 1 if finished else len(completion)
     if close_at:
         r_ids, c_ids = completion[body_start:close_at[0]], completion[close_at[0] + 1:end]
@@ -141,9 +170,8 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     got_c = tokenizer.decode(c_ids, skip_special_tokens=False).strip()
     if got_r != reasoning.strip():
         problems.append(f"reasoning ids decode to {got_r[:60]!r}, stored reasoning is {reasoning.strip()[:60]!r}")
-    if close_at or finished:
-        if got_c != sample["content"].strip():
-            problems.append(f"content ids decode to {got_c[:60]!r}, stored content is {sample['content'].strip()[:60]!r}")
+    if (close_at or finished) and got_c != sample["content"].strip():
+        problems.append(f"content ids decode to {got_c[:60]!r}, stored content is {sample['content'].strip()[:60]!r}")
     return problems
 
 

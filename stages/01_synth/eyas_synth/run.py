@@ -381,6 +381,8 @@ def _finish(st: RunState, wall: float) -> dict[str, Any]:
     ds, cfg = st.ds, st.cfg
     done, counts = scan(ds)  # from the files, so the stats agree whether or not a run was interrupted
     counts.failed = len(st.failed)
+    # Short of what was asked: ids with no answer. Rejected answers are answers (asking again with the same
+    # seed gives the same one); they are counted, listed in rejected.jsonl and reported by validate.
     missing = [i for i in range(cfg.n) if i not in done]
     stats = asdict(counts) | {
         "requested": cfg.n, "missing": missing, "wall_s_last_run": round(wall, 2),
@@ -394,17 +396,18 @@ def _finish(st: RunState, wall: float) -> dict[str, Any]:
         if k == 0 and (ds.path / fname).exists() and (ds.path / fname).stat().st_size == 0:
             (ds.path / fname).unlink()
     summary = (f"{counts.samples} samples ({counts.rendered} rendered from text, {counts.truncated_kept} truncated "
-               f"kept, {counts.truncated_dropped} dropped), {counts.rejected} rejected, {len(missing)} missing of "
-               f"{cfg.n} asked, {wall:.1f} s")
+               f"kept, {counts.truncated_dropped} dropped), {len(missing)} missing of {cfg.n} asked "
+               f"({counts.failed} failed, {counts.rejected} rejected), {wall:.1f} s")
     budget = missing_budget(cfg.allow_missing, cfg.n)
-    if len(missing) > budget:
+    if len(missing) > budget or counts.samples == 0:
         st.manifest["stats"] = stats
         ds.write_manifest(st.manifest)
-        first = next(iter(st.failed.values()), "see failures.jsonl")
-        raise DatasetError(f"{ds.ref} stays partial: {summary}; failed ids {missing[:20]}"
+        first = next(iter(st.failed.values()), f"see {FAILURES} and {REJECTED}")
+        raise DatasetError(f"{ds.ref} stays partial: {summary}; missing ids {missing[:20]}"
                            f"{' ...' if len(missing) > 20 else ''} (first error: {first}; all in "
-                           f"{ds.path / FAILURES}). Rerun the same command to retry them, or accept the shortfall "
-                           f"with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})")
+                           f"{ds.path / FAILURES}). Rerun the same command to retry failed ones, or accept the "
+                           f"shortfall with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})"
+                           + ("" if counts.samples else "; a dataset with no sample is never complete"))
     finalize(ds, st.manifest, stats=stats, records={k: v for k, v in records.items() if (ds.path / k).exists()})
     print(f"[synth] {ds.ref} complete: {summary}", file=sys.stderr)
     if missing:

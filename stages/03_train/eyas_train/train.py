@@ -21,7 +21,7 @@ from tqdm import tqdm
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, add_producer, check_target, finalize,
                                   fsync_dir, input_ref, iter_jsonl, new_manifest, open_input)
-from eyas_common.drafts import CKPT_DIR, LOG_FILE, PLOT_FILE
+from eyas_common.drafts import CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
@@ -85,14 +85,14 @@ def lr_lambda(total: int, warmup: float):
 
 
 def checkpoints(folder: Path) -> list[Path]:
-    return sorted((folder / CKPT_DIR).glob("step-*.pt"))
+    return checkpoint_paths(folder)
 
 
 def save_checkpoint(folder: Path, payload: dict[str, Any], keep: int) -> Path:
     """torch.save to a temp file, fsync, rename; then drop all but the newest `keep`."""
     d = folder / CKPT_DIR
     d.mkdir(parents=True, exist_ok=True)
-    path = d / f"step-{payload['step']:08d}.pt"
+    path = d / checkpoint_name(payload["step"])
     tmp = d / f".{path.name}.tmp-{os.getpid()}"
     with open(tmp, "wb") as f:
         torch.save(payload, f)
