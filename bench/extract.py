@@ -29,7 +29,8 @@ import torch
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
 from eyas_common.contract import Dataset, JsonlAppender, finalize, new_manifest
-from eyas_common.fixture import REPO_ROOT, build_fixture, fixture_prompts
+from eyas_common.fixture import build_fixture, fixture_prompts
+from eyas_common.paths import cache_root
 from eyas_common.samples import SAMPLES
 from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
 from eyas_extract.capture import find_parts
@@ -46,7 +47,7 @@ def big_target(fixture: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     key = hashlib.sha256(json.dumps(BIG, sort_keys=True).encode() + fixture.name.encode()).hexdigest()[:12]
-    out = REPO_ROOT / ".cache" / "bench" / f"llama-big-{key}"
+    out = cache_root() / "bench" / f"llama-big-{key}"
     if not out.is_dir():
         tok = load_tokenizer(fixture)
         torch.manual_seed(0)

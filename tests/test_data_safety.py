@@ -468,3 +468,21 @@ def test_all_rejected_is_never_complete(tmp_path, fixture_target, prompts):
                       "--server", stub.url, "--allow-missing", "100%")
     assert r.returncode == 1 and "stays partial: 0 samples" in r.stderr and "no sample is never complete" in r.stderr
     assert Dataset.parse("rej", "synth", tmp_path).read_manifest()["status"] == "partial"
+
+
+def test_fixture_cache_from_an_installed_package(tmp_path):
+    """Installed (not editable, as in the images) the cache goes to ~/.cache/eyas; EYAS_CACHE still wins."""
+    import shutil
+
+    import eyas_common
+
+    site = tmp_path / "site-packages"
+    shutil.copytree(Path(eyas_common.__file__).parent, site / "eyas_common")
+    code = "from eyas_common.fixture import _cache_root; print(_cache_root(None))"
+    base = {k: v for k, v in os.environ.items() if k != "EYAS_CACHE"} | {"PYTHONPATH": str(site),
+                                                                         "HOME": str(tmp_path), "XDG_CACHE_HOME": ""}
+    out = subprocess.run([PY, "-c", code], env=base, capture_output=True, text=True, cwd=tmp_path)
+    assert out.returncode == 0 and out.stdout.strip() == str(tmp_path / ".cache" / "eyas"), out.stderr
+    out = subprocess.run([PY, "-c", code], env=base | {"EYAS_CACHE": str(tmp_path / "c")}, capture_output=True,
+                         text=True, cwd=tmp_path)
+    assert out.stdout.strip() == str(tmp_path / "c")

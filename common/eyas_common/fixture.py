@@ -25,7 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+from eyas_common.paths import cache_root
 
 SYSTEM, USER, ASSISTANT, MIDDLE, END = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"
 THINK, UNTHINK = "<think>", "</think>"
@@ -527,7 +527,7 @@ def _build_deepseek(out: Path, seed: int) -> None:
 
 
 def _cache_root(cache_dir: Path | None) -> Path:
-    return Path(cache_dir) if cache_dir else Path(os.environ.get("EYAS_CACHE", REPO_ROOT / ".cache"))
+    return Path(cache_dir) if cache_dir else cache_root()  # works from an installed package too
 
 
 def fixture_key(kind: str, config: dict[str, Any], seed: int) -> str:

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import httpx
 
+from eyas_common.paths import cache_root
+
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -79,7 +81,7 @@ def start_vllm(
     full_env = {
         **os.environ,
         "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(REPO_ROOT / ".cache" / "vllm"),
+        "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
         # Models are local folders: never wait on (or report to) the network.
         "HF_HUB_OFFLINE": "1",
         "VLLM_NO_USAGE_STATS": "1",
