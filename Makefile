@@ -26,6 +26,16 @@ TRAIN_ARGS   ?=
 BACKEND      ?= hf
 NPROC        ?= 1
 PYTEST_ARGS ?=
+# NCCL for multi-GPU extract/train (torchrun): multi-GPU Blackwell workstations hang in P2P all-reduce
+# without NCCL_P2P_DISABLE=1 (docs/interop.md); set only when given: make train NPROC=2 NCCL_P2P_DISABLE=1
+NCCL_P2P_DISABLE ?=
+NCCL_IB_DISABLE  ?=
+ifneq ($(NCCL_P2P_DISABLE),)
+export NCCL_P2P_DISABLE
+endif
+ifneq ($(NCCL_IB_DISABLE),)
+export NCCL_IB_DISABLE
+endif
 
 STAGES := $(wildcard stages/*/pyproject.toml)
 PY     := $(VENV)/bin/python
