@@ -418,7 +418,11 @@ def test_two_extract_and_two_train_writers(chain, fixture_target):
     assert not [p for p in (root / "hidden" / "twice").iterdir() if ".tmp-" in p.name]
     cmd = train_cli(root, fixture_target, "twice", "--ckpt-every", "1")
     proc = second_writer_refused(root, cmd, cmd, root / "drafts" / ".twice.lock")
-    assert proc.wait(timeout=600) == 0, proc.stdout.read()
+    proc.send_signal(signal.SIGTERM)  # stops like Ctrl-C: keeps its checkpoints, says how to resume, exits 130
+    out = proc.communicate(timeout=300)[0]
+    assert proc.returncode == 130 and "rerun the same command to resume" in out and "Traceback" not in out, out
+    r = subprocess.run(cmd, env=env(root), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "taking over" not in r.stderr, r.stderr  # released cleanly: nothing to take over
     assert Dataset.parse("twice", "drafts", root).read_manifest()["status"] == "complete"
 
 
@@ -486,3 +490,18 @@ def test_fixture_cache_from_an_installed_package(tmp_path):
     out = subprocess.run([PY, "-c", code], env=base | {"EYAS_CACHE": str(tmp_path / "c")}, capture_output=True,
                          text=True, cwd=tmp_path)
     assert out.stdout.strip() == str(tmp_path / "c")
+
+
+def test_extract_refuses_a_synth_dataset_without_samples(tmp_path, fixture_target):
+    """Old code marked such a dataset complete, and extract then crashed on it."""
+    from eyas_common.chat import load_tokenizer, target_fingerprint
+    from eyas_common.contract import finalize, new_manifest
+
+    ds = Dataset.parse("empty", "synth", tmp_path)
+    ds.path.mkdir(parents=True)  # no samples.jsonl at all (the old code crashed on FileNotFoundError)
+    m = new_manifest("synth", stage="01_synth", target=target_fingerprint(load_tokenizer(fixture_target),
+                                                                           fixture_target), inputs=[], params={})
+    finalize(ds, m, stats={"samples": 0})
+    r = subprocess.run([PY, "-m", "eyas_extract.cli", "run", "--synth", "synth/empty", "--model", str(fixture_target),
+                        "--name", "h", "--quiet"], env=env(tmp_path), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1 and "synth/empty holds no samples" in r.stderr and "Traceback" not in r.stderr, r.stderr

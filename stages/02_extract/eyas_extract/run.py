@@ -266,7 +266,11 @@ def _plan(*, synth: str, model: Path, name: str, backend: str, layers: list[int]
         trust_remote_code=trust_remote_code)
     cfg.shard_tokens = max(1, shard_mb * (1 << 20) // bytes_per_token(cfg))
     job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(name, "hidden", data_root), dev, ranks, part, parts)
-    job.plan = plan_shards(index_samples(sds.path / SAMPLES, vocab), shard_samples, cfg.shard_tokens)
+    index = index_samples(sds.path / SAMPLES, vocab) if (sds.path / SAMPLES).exists() else []
+    if not index:
+        raise DatasetError(f"{sds.ref} holds no samples ({SAMPLES} is empty or missing): nothing to extract; "
+                           f"remake it with {REMAKE['synth']}")
+    job.plan = plan_shards(index, shard_samples, cfg.shard_tokens)
     cfg.num_shards = len(job.plan)
     job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
     _check_disk(job)

@@ -137,7 +137,7 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
     d = parallel.init()
     try:
         # One writer per draft (rank 0 writes for all ranks); SIGTERM stops like Ctrl-C, at the last checkpoint.
-        with WriterLock(out, stage="03_train") if d.main else nullcontext(), sigterm_as_interrupt():
+        with sigterm_as_interrupt(), WriterLock(out, stage="03_train") if d.main else nullcontext():
             return _run(cfg, d, data_root, allow_code_change)
     except KeyboardInterrupt:
         kept = checkpoints(out.path)
