@@ -195,6 +195,16 @@ def _disk_error(path: Path, e: OSError) -> Exception:
 # Reading
 
 
+FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
+
+
+def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """float8_e4m3fn values and float32 scales, one scale per vector on the last dim (amax -> 448)."""
+    x = x.float()
+    scale = x.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
+    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
+
+
 def dequant_aux(aux: torch.Tensor, aux_scale: torch.Tensor | None = None) -> torch.Tensor:
     """float32 [T, n_aux*H] from stored aux rows (fp8 needs its aux_scale [T, n_aux])."""
     if aux_scale is None:

@@ -17,9 +17,8 @@ from torch import nn
 from eyas_common.contract import DatasetError
 
 from eyas_extract.config import ExtractConfig
-from eyas_common.hidden import DTYPES
+from eyas_common.hidden import DTYPES, quant_fp8
 
-FP8_MAX = torch.finfo(torch.float8_e4m3fn).max  # 448
 # Rows per lm_head chunk of the top-K teacher: bounds the [rows, V] float32 logits.
 LOGIT_BYTES = 1 << 30
 
@@ -111,13 +110,6 @@ class Capture:
         self.states.clear()
         self.final = None
         return aux, final
-
-
-def quant_fp8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """float8_e4m3fn values and float32 scales, one scale per vector on the last dim (amax -> 448)."""
-    x = x.float()
-    scale = x.abs().amax(dim=-1).clamp_min(1e-12) / FP8_MAX
-    return (x / scale[..., None]).to(torch.float8_e4m3fn), scale
 
 
 def topk_logprobs(final: torch.Tensor, lm_head: nn.Module, k: int, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:

@@ -31,7 +31,7 @@ def pick_dtype(dtype: str, device: torch.device) -> str:
     """bf16 on GPU; fp32 on CPU, where bf16 matmuls are slow and buy nothing."""
     if dtype == "auto":
         return "bfloat16" if device.type == "cuda" else "float32"
-    return {"bf16": "bfloat16", "fp32": "float32"}.get(dtype, dtype)
+    return str(torch_dtype(dtype)).removeprefix("torch.")  # torch's own name, as transformers takes it
 
 
 def pick_attn(attn: str, device: torch.device, dtype: str) -> str:
