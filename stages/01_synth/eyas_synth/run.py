@@ -402,15 +402,24 @@ def _finish(st: RunState, wall: float) -> dict[str, Any]:
     if len(missing) > budget or counts.samples == 0:
         st.manifest["stats"] = stats
         ds.write_manifest(st.manifest)
-        first = next(iter(st.failed.values()), f"see {FAILURES} and {REJECTED}")
-        raise DatasetError(f"{ds.ref} stays partial: {summary}; missing ids {missing[:20]}"
-                           f"{' ...' if len(missing) > 20 else ''} (first error: {first}; all in "
-                           f"{ds.path / FAILURES}). Rerun the same command to retry failed ones, or accept the "
-                           f"shortfall with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})"
-                           + ("" if counts.samples else "; a dataset with no sample is never complete"))
+        raise DatasetError(_shortfall_message(st, summary, missing, budget, counts.samples))
     finalize(ds, st.manifest, stats=stats, records={k: v for k, v in records.items() if (ds.path / k).exists()})
     print(f"[synth] {ds.ref} complete: {summary}", file=sys.stderr)
     if missing:
         print(f"[synth] accepted short by {len(missing)} (--allow-missing {cfg.allow_missing}): ids {missing[:20]}",
               file=sys.stderr)
     return stats
+
+
+def _shortfall_message(st: RunState, summary: str, missing: list[int], budget: int, samples: int) -> str:
+    ds, cfg = st.ds, st.cfg
+    if not samples:  # nothing to train on, whatever --allow-missing says
+        why = next(iter(st.failed.values()), None)
+        if why is None and (ds.path / REJECTED).exists():
+            why = next((rec["problems"][0] for _, rec in iter_jsonl(ds.path / REJECTED, torn_end_ok=True)), None)
+        return (f"{ds.ref} stays partial: no usable sample ({summary}); first problem: {why} (details in "
+                f"{ds.path / REJECTED} and {ds.path / FAILURES}). Check that --model is the target the server runs")
+    first = next(iter(st.failed.values()), f"see {FAILURES}")
+    return (f"{ds.ref} stays partial: {summary}; missing ids {missing[:20]}{' ...' if len(missing) > 20 else ''} "
+            f"(first error: {first}; all in {ds.path / FAILURES}). Rerun the same command to retry them, or accept "
+            f"the shortfall with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})")
