@@ -20,10 +20,25 @@ THINK_CLOSE = "</think>"
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
+REMOTE_CODE_HINT = "pass --trust-remote-code (make: TRUST_REMOTE_CODE=1) to run it"
+
+
+def refuse_remote_code(model: str | Path, error: Exception, trust_remote_code: bool) -> None:
+    """One line instead of transformers' traceback when a target ships code that was not opted into."""
+    from eyas_common.contract import DatasetError
+
+    if not trust_remote_code and "trust_remote_code" in str(error):
+        raise DatasetError(f"{model} ships its own model/tokenizer code (auto_map); {REMOTE_CODE_HINT}") from None
+
+
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        refuse_remote_code(model, e, trust_remote_code)
+        raise
 
 
 def _sha(obj: Any) -> str:

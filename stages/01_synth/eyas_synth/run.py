@@ -52,6 +52,7 @@ class SynthConfig:
     concurrency: int              # requests in flight, all servers together
     timeout_s: float              # per-request timeout, seconds
     max_attempts: int             # tries per request before it is recorded as failed
+    trust_remote_code: bool = False  # the tokenizer's own code (shipped with the target) was run
 
 
 @dataclass
@@ -236,21 +237,22 @@ def _interrupt(*_: Any) -> None:
 def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | None = None,
         max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool = True,
         seed: int = 0, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
-        max_attempts: int = 8, served_model: str | None = None, data_root: Path | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        max_attempts: int = 8, served_model: str | None = None, trust_remote_code: bool = False,
+        data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Make (or resume) synth dataset `name`; returns its final stats."""
     if not servers:
         raise DatasetError("no --server given: pass the base URL of a running vLLM or SGLang server")
     conversations = load_prompts(prompts)
     n = len(conversations) if n is None else n
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, trust_remote_code)
     fingerprint = target_fingerprint(tokenizer, model)
     ds = Dataset.parse(name, "synth", data_root)
     cfg = SynthConfig(
         prompts=str(prompts), prompts_sha256=sha256_file(prompts), model=str(model),
         served_model=served_model or _served_model(servers[0]), servers=list(servers), n=n,
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, thinking=thinking, seed=seed,
-        drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s, max_attempts=max_attempts)
+        drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s, max_attempts=max_attempts,
+        trust_remote_code=trust_remote_code)
     manifest = _open_dataset(ds, cfg, fingerprint)
     ds.path.mkdir(parents=True, exist_ok=True)
     ds.write_manifest(manifest)

@@ -32,6 +32,10 @@ class ExtractConfig:
     attn: str                     # attention implementation (hf backend): flash_attention_2 | sdpa | eager
     device_map: str | None        # transformers device_map for targets larger than one GPU (hf backend)
     trust_remote_code: bool       # explicit opt-in for targets that ship their own modelling code
+    max_memory: dict[str, str] | None = None  # device_map budget per device (placement.py), e.g. {"0": "86000MiB"}
+    tensor_parallel_size: int = 1     # vllm backend: GPUs per copy of the target (placement.py)
+    enable_expert_parallel: bool = False  # vllm backend: routed experts split over those GPUs (MoE targets)
+    placement: str = ""           # the placement plan as printed (placement.py)
 
     @property
     def stored_dtype(self) -> str:

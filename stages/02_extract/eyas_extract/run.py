@@ -30,13 +30,15 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
-from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.chat import load_tokenizer, refuse_remote_code, target_fingerprint
+from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, check_schema, check_target, finalize, input_ref,
                                   new_manifest, open_input, verify, write_json_atomic)
 
 from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, FIXED_PARAMS, TEACHERS, ExtractConfig
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
+from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 from eyas_extract.shards import ShardWriter, bytes_per_token, shard_layout, shard_name
 
 SAMPLES = "samples.jsonl"
@@ -70,8 +72,32 @@ def default_layers(num_layers: int) -> list[int]:
 def _model_dims(model: Path, trust_remote_code: bool) -> tuple[int, int, int]:
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code).get_text_config()
+    try:
+        text = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code).get_text_config()
+    except ValueError as e:
+        refuse_remote_code(model, e, trust_remote_code)
+        raise
     return text.num_hidden_layers, text.hidden_size, text.vocab_size
+
+
+def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max_memory: dict[str, str] | None,
+           tokens: int, quiet: bool) -> Plan:
+    """Plan where the target goes (placement.py), print the plan, and put its choices into `cfg`."""
+    size = read_checkpoint_size(model)
+    found = Devices.parse(devices) if devices else Devices.detect()
+    plan = plan_placement(size=size, devices=found, dtype=cfg.dtype, backend=cfg.backend, nproc=world,
+                          device_map=cfg.device_map)
+    if plan.kind == "device_map":
+        cfg.device_map = cfg.device_map or "auto"
+        cfg.max_memory = max_memory or plan.max_memory
+    elif max_memory:
+        raise DatasetError("--max-memory applies to a device_map placement; pass --device-map auto with it")
+    cfg.tensor_parallel_size, cfg.enable_expert_parallel = plan.tensor_parallel_size, plan.enable_expert_parallel
+    cfg.placement = plan.describe()
+    if not quiet:
+        log(f"placement: {cfg.placement}")
+        log(f"estimated time: {tokens_note(tokens, estimate_seconds(plan, size, found, tokens))}")
+    return plan
 
 
 def _open_dataset(ds: Dataset, cfg: ExtractConfig, synth: Dataset, target: dict[str, Any],
@@ -168,6 +194,7 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         teacher: str = "final", topk: int = 8, aux_dtype: str = "bf16", shard: str = "0/1",
         shard_samples: int = 2048, shard_mb: int = 2048, batch_tokens: int = 16384, dtype: str = "auto",
         device: str = "auto", attn: str = "auto", device_map: str | None = None, trust_remote_code: bool = False,
+        max_memory: dict[str, str] | None = None, devices: str | None = None, dry_run: bool = False,
         data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Extract (or resume) hidden dataset `name` from synth dataset `synth`; returns this worker's stats."""
     t_start = time.monotonic()
@@ -175,6 +202,8 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         raise DatasetError(f"backend {backend!r}, teacher {teacher!r}, aux dtype {aux_dtype!r}: "
                            f"expected one of {BACKENDS}, {TEACHERS}, {AUX_DTYPES}")
     part, parts = parse_shard(shard)
+    if devices and not dry_run:
+        raise DatasetError(f"--devices {devices!r} describes another machine: use it with --dry-run only")
     rank, world, local_rank = _ranks()
     if world > 1 and (backend == "vllm" or device_map):
         raise DatasetError("under torchrun each rank runs its own copy of the target on its own GPU: --backend vllm "
@@ -232,6 +261,11 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         f"{f' K={topk}' if teacher == 'topk' else ''}, {backend} backend on {dev}, {cfg.dtype}")
     log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {sum(sizes.values()) / 1e9:.3f} GB with headers; "
         f"{free / 1e9:.2f} GB free on the volume of {ds.path}")
+    placement = _place(cfg, model, devices, world, max_memory, tokens, quiet=rank != 0)
+    if dry_run:
+        enough = "enough" if sum(sizes.values()) <= free else "NOT enough (the run would be refused)"
+        log(f"dry run: {enough} disk; nothing loaded or written")
+        return {"plan": placement.to_dict(), "tokens": tokens, "bytes": sum(sizes.values()), "free_bytes": free}
     if sum(sizes.values()) > free:
         raise DatasetError(f"{ds.ref}: needs {sum(sizes.values()) / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: "
                            f"free space, point EYAS_DATA at a larger volume, or shrink the layout "
