@@ -31,9 +31,22 @@ def refuse_remote_code(model: str | Path, error: Exception, trust_remote_code: b
         raise DatasetError(f"{model} ships its own model/tokenizer code (auto_map); {REMOTE_CODE_HINT}") from None
 
 
+def ships_tokenizer_code(model: str | Path) -> bool:
+    """tokenizer_config.json maps AutoTokenizer to a class in the model folder (Kimi-K2.5's tiktoken one)."""
+    path = Path(model) / "tokenizer_config.json"
+    try:
+        return "AutoTokenizer" in (json.loads(path.read_text()).get("auto_map") or {})
+    except (OSError, ValueError):
+        return False
+
+
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
+    if not trust_remote_code and ships_tokenizer_code(model):
+        # transformers 5 would quietly build another tokenizer from tiktoken.model (its own converter and
+        # split pattern): the ids could differ from the shipped class's with the same fingerprint.
+        refuse_remote_code(model, ValueError("trust_remote_code"), trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     except ValueError as e:
