@@ -36,10 +36,10 @@ def test_layout_is_kimi_k25s(kimi: Path) -> None:
     assert cfg["auto_map"]["AutoModelForCausalLM"] == "modeling_kimi_k25.KimiK25ForConditionalGeneration"
     assert cfg["text_config"]["model_type"] == "deepseek_v3" and cfg["text_config"]["n_routed_experts"] == 8
     with safe_open(kimi / "model.safetensors", "pt") as f:
-        prefixes = {k.split(".")[0] for k in f.keys()}
-        assert "language_model.model.layers.7.mlp.experts.0.gate_proj.weight" in set(f.keys()) or any(
-            k.startswith("language_model.model.layers.7.mlp.experts") for k in f.keys())
-    assert prefixes == {"language_model", "vision_tower", "mm_projector"}
+        names = list(f.keys())
+    assert {k.split(".")[0] for k in names} == {"language_model", "vision_tower", "mm_projector"}
+    assert any(k.startswith("language_model.model.layers.7.mlp.experts.") for k in names)  # MoE layer
+    assert "language_model.lm_head.weight" in names and "language_model.model.embed_tokens.weight" in names
     assert (kimi / "tiktoken.model").is_file() and (kimi / "tokenization_kimi.py").is_file()
 
 
@@ -126,3 +126,14 @@ def test_prompt_rendering_matches_what_the_server_sends(kimi: Path, tok) -> None
     msgs = [{"role": "user", "content": "What is 12+30?"}]
     ids = render_prompt(tok, msgs)
     assert ids[-1] == tok.convert_tokens_to_ids("<think>") and ChatTokens.of(tok).end_of_turn == tok.eos_token_id
+
+
+def test_checkpoint_size_counts_routed_experts(kimi: Path) -> None:
+    from eyas_common.checkpoint import read_checkpoint_size
+
+    size = read_checkpoint_size(kimi)
+    text = size.text
+    per_expert = 3 * text["hidden_size"] * text["moe_intermediate_size"]
+    moe_layers = text["num_hidden_layers"] - text["first_k_dense_replace"]
+    assert size.expert_params == moe_layers * text["n_routed_experts"] * per_expert
+    assert size.active_params() == size.params - size.expert_params + moe_layers * 2 * per_expert

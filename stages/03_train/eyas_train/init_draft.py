@@ -42,9 +42,11 @@ class InitDraft:
 
 def resolve(path: str, data_root: Path | None) -> Path:
     """A folder as given, else a drafts/NAME dataset (refused when partial)."""
-    folder = Path(path)
+    folder = Path(path).expanduser()
     if folder.is_dir():
         return folder
+    if path.startswith(("/", ".", "~")):
+        raise DatasetError(f"--init-draft {path}: no such folder; give a draft folder or drafts/NAME under EYAS_DATA")
     ds, _ = open_input(path if "/" in path else f"drafts/{path}", "drafts", root=data_root)
     return ds.path
 
