@@ -44,10 +44,15 @@ def test_layout_is_kimi_k25s(kimi: Path) -> None:
 
 
 def test_remote_code_only_when_trusted(kimi: Path) -> None:
-    from transformers import AutoConfig
+    from transformers import AutoConfig, AutoModelForCausalLM
 
+    # transformers 5 knows a `kimi_k25` config of its own, but no causal-LM class for it: the model
+    # loads only through the folder's code, and then with the folder's config class.
     with pytest.raises(ValueError, match="trust_remote_code"):
-        AutoConfig.from_pretrained(str(kimi), trust_remote_code=False)
+        AutoModelForCausalLM.from_pretrained(str(kimi), trust_remote_code=False)
+    assert type(AutoConfig.from_pretrained(str(kimi), trust_remote_code=True)).__module__.endswith(
+        "configuration_kimi_k25") and "transformers_modules" in type(
+        AutoConfig.from_pretrained(str(kimi), trust_remote_code=True)).__module__
     with pytest.raises(DatasetError, match="pass --trust-remote-code"):
         load_tokenizer(kimi)
 
