@@ -36,6 +36,9 @@ endif
 ifneq ($(NCCL_IB_DISABLE),)
 export NCCL_IB_DISABLE
 endif
+# TRUST_REMOTE_CODE=1: every stage runs the model/tokenizer code shipped with the target (Kimi-K2.5); off by default
+TRUST_REMOTE_CODE ?=
+TRC := $(if $(filter 1 yes true,$(TRUST_REMOTE_CODE)),--trust-remote-code)
 
 STAGES := $(wildcard stages/*/pyproject.toml)
 PY     := $(VENV)/bin/python
@@ -44,7 +47,7 @@ EXTRACT := $(if $(filter vllm,$(BACKEND)),PYTHONPATH=$(CURDIR)/common:$(CURDIR)/
 
 help: ## list targets and their knobs
 	@grep -E '^[a-zA-Z_%-]+:.*?## ' $(MAKEFILE_LIST) | awk 'BEGIN {FS = ":.*?## "}; {printf "  \033[36m%-17s\033[0m %s\n", $$1, $$2}'
-	@echo "  knobs: N PROMPTS SERVER MODEL NAME MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS EYAS_DATA=$(EYAS_DATA)"
+	@echo "  knobs: N PROMPTS SERVER MODEL NAME MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS TRUST_REMOTE_CODE EYAS_DATA=$(EYAS_DATA)"
 
 install: $(VENV)/.installed ## create .venv (CPU torch 2.13.0, common, every stage, test deps)
 $(VENV)/.installed: requirements-cpu.txt common/pyproject.toml $(STAGES)
@@ -74,12 +77,12 @@ synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... 
 	@test -n "$(PROMPTS)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 MODEL=/path/to/target NAME=synth_10k" >&2; exit 2; }
 	$(VENV)/bin/eyas-synth run --prompts $(PROMPTS) --name $(NAME) --model $(MODEL) \
 	  $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) --max-tokens $(MAX_TOKENS) \
-	  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(SYNTH_ARGS)
-	$(VENV)/bin/eyas-synth validate $(NAME)
+	  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(TRC) $(SYNTH_ARGS)
+	$(VENV)/bin/eyas-synth validate $(NAME) $(TRC)
 
 extract: install $(if $(filter vllm,$(BACKEND)),vllm) ## stage 02: make extract SYNTH=synth/NAME MODEL=... NAME=... [BACKEND=hf|vllm] [NPROC=8] [EXTRACT_ARGS=...]
 	@test -n "$(SYNTH)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8']" >&2; exit 2; }
-	$(EXTRACT) run --synth $(SYNTH) --model $(MODEL) --name $(NAME) --backend $(BACKEND) $(EXTRACT_ARGS)
+	$(EXTRACT) run --synth $(SYNTH) --model $(MODEL) --name $(NAME) --backend $(BACKEND) $(TRC) $(EXTRACT_ARGS)
 
 extract-finalize: install ## stage 02: mark hidden/NAME complete once every --shard I/N part has run
 	$(VENV)/bin/eyas-extract finalize $(NAME)
@@ -87,13 +90,13 @@ extract-finalize: install ## stage 02: mark hidden/NAME complete once every --sh
 train: install ## stage 03: make train HIDDEN=hidden/NAME MODEL=... NAME=... [NPROC=8] [TRAIN_ARGS=...]
 	@test -n "$(HIDDEN)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name" >&2; exit 2; }
 	$(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) -m eyas_train.cli,$(VENV)/bin/eyas-train) \
-	  run --hidden $(HIDDEN) --model $(MODEL) --name $(NAME) $(TRAIN_ARGS)
+	  run --hidden $(HIDDEN) --model $(MODEL) --name $(NAME) $(TRC) $(TRAIN_ARGS)
 
 DRAFT      ?=
 EVAL_ARGS  ?=
 eval: install ## stage 03: offline acceptance: make eval DRAFT=drafts/NAME MODEL=... PROMPTS=heldout.jsonl
 	@test -n "$(DRAFT)" -a -n "$(MODEL)" -a -n "$(PROMPTS)" || { echo "usage: make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl" >&2; exit 2; }
-	$(VENV)/bin/eyas-train eval --draft $(DRAFT) --model $(MODEL) --prompts $(PROMPTS) --spec-tokens 3 $(EVAL_ARGS)
+	$(VENV)/bin/eyas-train eval --draft $(DRAFT) --model $(MODEL) --prompts $(PROMPTS) --spec-tokens 3 $(TRC) $(EVAL_ARGS)
 
 bench-synth: install ## benchmark the synth client against a zero-latency local server
 	$(PY) bench/synth_client.py

@@ -20,6 +20,26 @@ THINK_CLOSE = "</think>"
 END_OF_TURN = ("<|im_end|>", "<|eot_id|>", "<|end|>")
 
 
+REMOTE_CODE_HINT = "pass --trust-remote-code (make: TRUST_REMOTE_CODE=1) to run it"
+
+
+def refuse_remote_code(model: str | Path, error: Exception, trust_remote_code: bool) -> None:
+    """One line instead of transformers' traceback when a target ships code that was not opted into."""
+    from eyas_common.contract import DatasetError
+
+    if not trust_remote_code and "trust_remote_code" in str(error):
+        raise DatasetError(f"{model} ships its own model/tokenizer code (auto_map); {REMOTE_CODE_HINT}") from None
+
+
+def ships_tokenizer_code(model: str | Path) -> bool:
+    """tokenizer_config.json maps AutoTokenizer to a class in the model folder (Kimi-K2.5's tiktoken one)."""
+    path = Path(model) / "tokenizer_config.json"
+    try:
+        return "AutoTokenizer" in (json.loads(path.read_text()).get("auto_map") or {})
+    except (OSError, ValueError):
+        return False
+
+
 def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
@@ -28,7 +48,15 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
 
         raise DatasetError(f"--model {model}: no such folder; pass the local path of the target (a folder with "
                            f"config.json and the tokenizer files). eyas never downloads models")
-    return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    if not trust_remote_code and ships_tokenizer_code(model):
+        # transformers 5 would quietly build another tokenizer from tiktoken.model (its own converter and
+        # split pattern): the ids could differ from the shipped class's with the same fingerprint.
+        refuse_remote_code(model, ValueError("trust_remote_code"), trust_remote_code)
+    try:
+        return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
+    except ValueError as e:
+        refuse_remote_code(model, e, trust_remote_code)
+        raise
 
 
 def _sha(obj: Any) -> str:

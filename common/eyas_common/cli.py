@@ -64,15 +64,19 @@ def rm(ref: str, yes: bool) -> None:
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
-@click.option("--arch", type=click.Choice(["llama", "deepseek"]), default="llama", show_default=True,
-              help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin.")
+@click.option("--kind", "--arch", "arch", type=click.Choice(["llama", "deepseek", "kimi-k25"]), default="llama",
+              show_default=True,
+              help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin; "
+                   "kimi-k25: a trained Kimi-K2.5-shaped target (remote code, tiktoken tokenizer, multimodal wrapper: "
+                   "use it with --trust-remote-code).")
 @click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Weights seed.")
 def fixture(out: Path, arch: str, seed: int) -> None:
     """Build the tiny offline thinking target (cached by content hash) into OUT."""
     from eyas_common.fixture import build_deepseek_fixture, build_fixture
+    from eyas_common.fixture_kimi import build_kimi_fixture
 
-    path = (build_fixture if arch == "llama" else build_deepseek_fixture)(out, seed=seed)
-    click.echo(str(path))
+    builders = {"llama": build_fixture, "deepseek": build_deepseek_fixture, "kimi-k25": build_kimi_fixture}
+    click.echo(str(builders[arch](out, seed=seed)))
 
 
 @main.command()

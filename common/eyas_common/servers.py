@@ -162,3 +162,33 @@ def running_vllm(model: Path, *, log_path: Path, timeout_s: float = 300, **kwarg
         yield server
     finally:
         stop(server)
+
+
+def start_hf_server(model: Path, *, log_path: Path, port: int | None = None, trust_remote_code: bool = False,
+                    python: Path | None = None) -> VllmServer:
+    """Launch eyas_common.hf_server (transformers generation, vLLM's response shape) on 127.0.0.1:
+    for targets vLLM cannot load here, such as the Kimi-K2.5-shaped fixture. Stop it with `stop`."""
+    import sys
+
+    port = port or free_port()
+    cmd = [str(python or sys.executable), "-m", "eyas_common.hf_server", "--model", str(model),
+           "--port", str(port), *(["--trust-remote-code"] if trust_remote_code else [])]
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
+    return VllmServer(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+
+
+@contextmanager
+def running_hf_server(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs) -> Iterator[VllmServer]:
+    """A healthy eyas_common.hf_server for the duration of the block (see `start_hf_server`)."""
+    server = start_hf_server(model, log_path=log_path, **kwargs)
+    try:
+        wait_healthy(server, timeout_s)
+        yield server
+    finally:
+        stop(server)

@@ -50,6 +50,8 @@ def main() -> None:
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
 @click.option("--served-model", default=None, help="Model name to request.  [default: the server's first /v1/models entry]")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Run the tokenizer code shipped with the target (Kimi-K2.5's tiktoken class); explicit opt-in, recorded.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Ask the served target to answer each prompt; store the exact token stream of each answer."""
@@ -60,9 +62,10 @@ def run(quiet: bool, **kwargs) -> None:
 @click.argument("name")
 @click.option("--model", type=PATH, default=None, help="Target tokenizer path.  [default: the dataset's target]")
 @click.option("--show", type=click.IntRange(min=0), default=20, help="Samples to list in the report (all are counted).")
-def validate(name: str, model: Path | None, show: int) -> None:
+@click.option("--trust-remote-code", is_flag=True, help="Run the tokenizer code shipped with the target (explicit opt-in).")
+def validate(name: str, model: Path | None, show: int, trust_remote_code: bool) -> None:
     """Check every sample of synth dataset NAME; exit 1 with a per-sample report if any is unsound."""
-    report = validate_synth(name, model=model)
+    report = validate_synth(name, model=model, trust_remote_code=trust_remote_code)
     bad = report["bad"]
     for sid, problems in bad[:show]:
         click.echo(f"sample {sid}: " + "; ".join(problems), err=True)

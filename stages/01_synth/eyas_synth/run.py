@@ -57,6 +57,7 @@ class SynthConfig:
     max_attempts: int             # tries per request before it is recorded as failed
     allow_missing: str            # samples that may be missing at the end: a count (5) or a percentage (0.5%)
     breaker_s: float              # stop the run when every server has failed for this long, seconds
+    trust_remote_code: bool = False  # the tokenizer's own code (shipped with the target) was run
 
 
 @dataclass
@@ -296,7 +297,8 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
         max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool = True,
         seed: int = 0, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
         max_attempts: int = 8, served_model: str | None = None, allow_missing: str = "0",
-        breaker_s: float = 120.0, allow_code_change: bool = False, data_root: Path | None = None,
+        breaker_s: float = 120.0, allow_code_change: bool = False, trust_remote_code: bool = False,
+        data_root: Path | None = None,
         progress: bool = True) -> dict[str, Any]:
     """Make (or resume) synth dataset `name`; returns its final stats."""
     if not servers:
@@ -310,7 +312,7 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
     except ValueError as e:
         raise DatasetError(f"--allow-missing {e}") from None
     conversations = load_prompts(prompts)
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, trust_remote_code)
     ds = Dataset.parse(name, "synth", data_root)
     served, context = server_info(servers[0])
     cfg = SynthConfig(
@@ -318,7 +320,8 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
         served_model=served_model or served, servers=list(servers), n=len(conversations) if n is None else n,
         max_tokens=max_tokens, max_model_len=context, temperature=temperature, top_p=top_p, thinking=thinking,
         seed=seed, drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s,
-        max_attempts=max_attempts, allow_missing=str(allow_missing), breaker_s=breaker_s)
+        max_attempts=max_attempts, allow_missing=str(allow_missing), breaker_s=breaker_s,
+        trust_remote_code=trust_remote_code)
     with WriterLock(ds, stage="01_synth"):
         st = _prepare(ds, cfg, tokenizer, conversations, allow_code_change)
         return _run_and_finish(st, progress)

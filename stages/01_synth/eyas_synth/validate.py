@@ -11,13 +11,14 @@ from eyas_common.samples import validate_synth_file
 from eyas_common.samples import SAMPLES
 
 
-def validate(name: str, *, model: Path | None = None, data_root: Path | None = None) -> dict[str, Any]:
+def validate(name: str, *, model: Path | None = None, trust_remote_code: bool = False,
+             data_root: Path | None = None) -> dict[str, Any]:
     """{'samples': n, 'bad': [(id, problems)], 'status': ...}; the tokenizer defaults to the dataset's target."""
     ds = Dataset.parse(name, "synth", data_root)
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
     model = model or Path(manifest["target"]["model"])
-    tokenizer = load_tokenizer(model)
+    tokenizer = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tokenizer, model))
     path = ds.path / SAMPLES
     if not path.exists():

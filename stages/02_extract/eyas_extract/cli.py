@@ -21,6 +21,16 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> li
         raise click.BadParameter(f"{value!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
 
 
+def _max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, str] | None:
+    if not value:
+        return None
+    try:
+        pairs = [item.split("=", 1) for item in value.replace(" ", "").split(",")]
+        return {k: v for k, v in pairs if k and v}
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected DEVICE=SIZE pairs, e.g. 0=80GiB,1=80GiB,cpu=200GiB") from None
+
+
 @click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Stage 02: synth samples -> the target's EAGLE-3 hidden states in $EYAS_DATA/hidden/NAME."""
@@ -56,6 +66,12 @@ def main() -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Run modelling/tokenizer code shipped with the target (explicit opt-in).")
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
+@click.option("--max-memory", callback=_max_memory, default=None,
+              help="With a device_map: budget per device, e.g. 0=80GiB,1=80GiB,cpu=200GiB.  [default: the planner's, 90% of each]")
+@click.option("--devices", default=None,
+              help="Plan for this machine instead of the detected one: NxSIZE (8x96GB) or cpu:SIZE (with --dry-run).")
+@click.option("--dry-run", is_flag=True,
+              help="Print the placement plan, the disk bill and the estimated time, then stop (nothing loaded).")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-# Params a resumed run (or another `--shard i/N` part) may change: where the target lies and how attention
-# is computed. Every other param decides a shard's bytes and must match, including any added later.
-MAY_CHANGE = ("model", "attn", "device_map", "trust_remote_code")
+# Params a resumed run (or another `--shard i/N` part) may change: where the target lies, how it is placed
+# and how attention is computed. Every other param decides a shard's bytes and must match, including any
+# added later.
+MAY_CHANGE = ("model", "attn", "device_map", "trust_remote_code", "max_memory", "tensor_parallel_size",
+              "enable_expert_parallel", "placement")
 AUX_DTYPES = ("bf16", "fp8", "fp32")
 TEACHERS = ("final", "topk")
 BACKENDS = ("hf", "vllm")
@@ -32,6 +34,10 @@ class ExtractConfig:
     attn: str                     # attention implementation (hf backend): flash_attention_2 | sdpa | eager
     device_map: str | None        # transformers device_map for targets larger than one GPU (hf backend)
     trust_remote_code: bool       # explicit opt-in for targets that ship their own modelling code
+    max_memory: dict[str, str] | None = None  # device_map budget per device (placement.py), e.g. {"0": "86000MiB"}
+    tensor_parallel_size: int = 1     # vllm backend: GPUs per copy of the target (placement.py)
+    enable_expert_parallel: bool = False  # vllm backend: routed experts split over those GPUs (MoE targets)
+    placement: str = ""           # the placement plan as printed (placement.py)
 
     @property
     def stored_dtype(self) -> str:

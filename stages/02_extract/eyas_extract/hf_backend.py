@@ -10,10 +10,15 @@ CausalLM), so the [tokens, vocab] logits are computed only where the top-K teach
 from __future__ import annotations
 
 import importlib.util
+import shutil
 import sys
+import tempfile
+from collections import Counter
 from collections.abc import Iterator
 
 import torch
+
+from eyas_common.chat import refuse_remote_code
 
 from eyas_extract.capture import Capture, encode, find_parts
 from eyas_common.hidden import torch_dtype
@@ -43,7 +48,7 @@ def pick_attn(attn: str, device: torch.device, dtype: str) -> str:
     return "sdpa"
 
 
-def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
+def load_target(cfg: ExtractConfig, device: torch.device, offload_folder: str | None = None) -> torch.nn.Module:
     from transformers import AutoModelForCausalLM
 
     kwargs = {"dtype": torch_dtype(cfg.dtype), "trust_remote_code": cfg.trust_remote_code}
@@ -51,9 +56,14 @@ def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
     direct = cfg.device_map or (str(device) if importlib.util.find_spec("accelerate") else None)
     if direct:
         kwargs["device_map"] = direct
+    if cfg.device_map and cfg.max_memory:
+        kwargs["max_memory"] = {int(k) if k.isdigit() else k: v for k, v in cfg.max_memory.items()}
+    if offload_folder:  # what fits no device is offloaded to disk by accelerate (slow, but it runs)
+        kwargs["offload_folder"] = offload_folder
     try:
         model = AutoModelForCausalLM.from_pretrained(cfg.model, attn_implementation=cfg.attn, **kwargs)
     except (ValueError, ImportError) as e:
+        refuse_remote_code(cfg.model, e, cfg.trust_remote_code)
         # Remote-code models often support neither flash-attn nor sdpa through transformers.
         if cfg.attn == "eager" or "attention" not in str(e).lower():
             raise
@@ -68,7 +78,11 @@ def load_target(cfg: ExtractConfig, device: torch.device) -> torch.nn.Module:
 class HFBackend:
     def __init__(self, cfg: ExtractConfig, device: torch.device):
         self.cfg = cfg
-        self.model = load_target(cfg, device)
+        self.offload = tempfile.mkdtemp(prefix="eyas-offload-") if cfg.device_map else None
+        self.model = load_target(cfg, device, self.offload)
+        if cfg.device_map:
+            spread = Counter(str(d) for d in getattr(self.model, "hf_device_map", {}).values())
+            print(f"[extract] device_map: {dict(spread)} (modules per device)", file=sys.stderr, flush=True)
         self.parts = find_parts(self.model, cfg.num_layers, cfg.hidden_size)
         self.device = self.parts.base.get_input_embeddings().weight.device
         with torch.inference_mode():  # the first forward pays one-time kernel and allocator set-up
@@ -86,6 +100,8 @@ class HFBackend:
 
     def close(self) -> None:
         del self.model
+        if self.offload:
+            shutil.rmtree(self.offload, ignore_errors=True)
 
 
 def pad_batch(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:

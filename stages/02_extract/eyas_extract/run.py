@@ -27,7 +27,8 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from eyas_common import samples as samples_format
-from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.chat import load_tokenizer, refuse_remote_code, target_fingerprint
+from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, add_producer, changed_params, check_schema,
                                   check_target, finalize, input_ref, new_manifest, open_input, verify,
                                   write_json_atomic)
@@ -39,6 +40,7 @@ from eyas_common.samples import SAMPLES
 from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
+from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 
 
 
@@ -63,8 +65,32 @@ def default_layers(num_layers: int) -> list[int]:
 def _model_dims(model: Path, trust_remote_code: bool) -> tuple[int, int, int]:
     from transformers import AutoConfig
 
-    text = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code).get_text_config()
+    try:
+        text = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code).get_text_config()
+    except ValueError as e:
+        refuse_remote_code(model, e, trust_remote_code)
+        raise
     return text.num_hidden_layers, text.hidden_size, text.vocab_size
+
+
+def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max_memory: dict[str, str] | None,
+           tokens: int, quiet: bool) -> Plan:
+    """Plan where the target goes (placement.py), print the plan, and put its choices into `cfg`."""
+    size = read_checkpoint_size(model)
+    found = Devices.parse(devices) if devices else Devices.detect()
+    plan = plan_placement(size=size, devices=found, dtype=cfg.dtype, backend=cfg.backend, nproc=world,
+                          device_map=cfg.device_map)
+    if plan.kind == "device_map":
+        cfg.device_map = cfg.device_map or "auto"
+        cfg.max_memory = max_memory or plan.max_memory
+    elif max_memory:
+        raise DatasetError("--max-memory applies to a device_map placement; pass --device-map auto with it")
+    cfg.tensor_parallel_size, cfg.enable_expert_parallel = plan.tensor_parallel_size, plan.enable_expert_parallel
+    cfg.placement = plan.describe()
+    if not quiet:
+        log(f"placement: {cfg.placement}")
+        log(f"estimated time: {tokens_note(tokens, estimate_seconds(plan, size, found, tokens))}")
+    return plan
 
 
 def _open_dataset(job: Job, *, allow_code_change: bool) -> dict[str, Any]:
@@ -197,13 +223,23 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         teacher: str = "final", topk: int = 8, aux_dtype: str = "bf16", shard: str = "0/1",
         shard_samples: int = 2048, shard_mb: int = 2048, batch_tokens: int = 16384, dtype: str = "auto",
         device: str = "auto", attn: str = "auto", device_map: str | None = None, trust_remote_code: bool = False,
-        allow_code_change: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
+        allow_code_change: bool = False, max_memory: dict[str, str] | None = None, devices: str | None = None,
+        dry_run: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Extract (or resume) hidden dataset `name` from synth dataset `synth`; returns this worker's stats."""
     t_start = time.monotonic()
+    if devices and not dry_run:
+        raise DatasetError(f"--devices {devices!r} describes another machine: use it with --dry-run only")
     job = _plan(synth=synth, model=Path(model), name=name, backend=backend, layers=layers, teacher=teacher, topk=topk,
                 aux_dtype=aux_dtype, shard=shard, shard_samples=shard_samples, shard_mb=shard_mb,
                 batch_tokens=batch_tokens, dtype=dtype, device=device, attn=attn, device_map=device_map,
                 trust_remote_code=trust_remote_code, data_root=data_root)
+    size, tokens, free = _disk_bill(job)
+    placement = _place(job.cfg, Path(model), devices, job.ranks.world, max_memory, tokens, quiet=job.ranks.rank != 0)
+    if dry_run:
+        log(f"dry run: {'enough' if size <= free else 'NOT enough (the run would be refused)'} disk; "
+            f"nothing loaded or written")
+        return {"plan": placement.to_dict(), "tokens": tokens, "bytes": size, "free_bytes": free}
+    _refuse_full_disk(job.ds, size, free)
     # Each worker part has its own lock: two runs of one part are refused, different parts run side by side.
     with WriterLock(job.ds, stage="02_extract", part=f"worker-{job.worker}-of-{job.workers}"):
         manifest = _open_dataset(job, allow_code_change=allow_code_change)
@@ -273,7 +309,6 @@ def _plan(*, synth: str, model: Path, name: str, backend: str, layers: list[int]
     job.plan = plan_shards(index, shard_samples, cfg.shard_tokens)
     cfg.num_shards = len(job.plan)
     job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
-    _check_disk(job)
     return job
 
 
@@ -292,8 +327,8 @@ def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Pat
     return sds, smanifest, fingerprint
 
 
-def _check_disk(job: Job) -> None:
-    """Print the disk bill of this worker's shards; refuse when the volume cannot hold it."""
+def _disk_bill(job: Job) -> tuple[int, int, int]:
+    """Print and return the disk bill of this worker's shards: (bytes, tokens, free bytes on the volume)."""
     cfg, ds = job.cfg, job.ds
     bpt = bytes_per_token(cfg)
     size = sum(shard_layout(cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size for j in job.todo)
@@ -305,6 +340,10 @@ def _check_disk(job: Job) -> None:
         f"{f' K={cfg.topk}' if cfg.teacher == 'topk' else ''}, {cfg.backend} backend on {job.dev}, {cfg.dtype}")
     log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {size / 1e9:.3f} GB with headers; "
         f"{free / 1e9:.2f} GB free on the volume of {ds.path}")
+    return size, tokens, free
+
+
+def _refuse_full_disk(ds: Dataset, size: int, free: int) -> None:
     if size > free:
         raise DatasetError(f"{ds.ref}: needs {size / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: "
                            f"free space, point EYAS_DATA at a larger volume, or shrink the layout "

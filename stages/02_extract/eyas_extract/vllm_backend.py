@@ -109,6 +109,8 @@ class VLLMBackend:
             model=cfg.model,
             dtype=cfg.dtype,
             trust_remote_code=cfg.trust_remote_code,
+            tensor_parallel_size=cfg.tensor_parallel_size,
+            enable_expert_parallel=cfg.enable_expert_parallel,
             max_model_len=max_len + 1,  # the prompt plus the one sampled token
             max_num_batched_tokens=max(cfg.batch_tokens, max_len + 1),
             enable_prefix_caching=False,  # a prefix hit would skip the forward that stores its rows

@@ -50,6 +50,13 @@ def main() -> None:
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a draft started by another eyas version (git sha / image tag); recorded in the manifest.")
 @click.option("--log-every", type=click.IntRange(min=1), default=D["log_every"].default, help="Optimiser steps between progress lines.")
+@click.option("--trust-remote-code", is_flag=True, help="Run the tokenizer code shipped with the target (explicit opt-in).")
+@click.option("--init-draft", default=None,
+              help="Start from this draft: drafts/NAME, or a folder in the eyas, vLLM/speculators or SpecForge "
+                   "EAGLE-3 layout; its vocabulary is kept (or remapped, with a coverage report).")
+@click.option("--init-vocab", type=click.Choice(["keep", "remap"]), default=D["init_vocab"].default,
+              help="With --init-draft: keep its draft vocabulary, or remap to this data's most frequent tokens "
+                   "(--draft-vocab of them; rows of tokens in both carried over).")
 def run(**kw) -> None:
     """Train drafts/NAME on hidden/HIDDEN; an interrupted run resumes from its last checkpoint."""
     from eyas_train.train import run as train_run
@@ -77,8 +84,10 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Max generated tokens per prompt.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts.")
 @click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch.")
-@click.option("--dtype", type=click.Choice(["float32", "bfloat16"]), default="float32",
-              help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance.")
+@click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
+              help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance; auto: bfloat16 on GPU, float32 on CPU.")
+@click.option("--device-map", default=None, help="transformers device_map for the target.  [default: auto on GPUs, none on CPU]")
+@click.option("--trust-remote-code", is_flag=True, help="Run the model/tokenizer code shipped with the target (explicit opt-in).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here.")
 def eval_cmd(**kw) -> None:
     """Chain speculative decoding (greedy verification): acceptance length and per-position acceptance."""

@@ -28,6 +28,9 @@ class TrainConfig:
     ckpt_every: int = 200           # optimiser steps between checkpoints (and one at the end)
     keep_ckpts: int = 2             # newest checkpoints kept
     log_every: int = 10             # optimiser steps between progress lines and log records
+    trust_remote_code: bool = False  # the target's tokenizer code was run (explicit opt-in)
+    init_draft: str | None = None   # start from this draft (eyas, vLLM/speculators or SpecForge layout)
+    init_vocab: str = "keep"        # with init_draft: keep its draft vocabulary, or remap to this data's
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)

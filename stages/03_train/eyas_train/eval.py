@@ -17,6 +17,7 @@ quadratic in length, meant for held-out sets of tens of prompts.
 
 from __future__ import annotations
 
+import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -25,7 +26,8 @@ import torch
 from tqdm import tqdm
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
-from eyas_common.contract import check_target, open_input, write_json_atomic
+from eyas_common.checkpoint import read_checkpoint_size
+from eyas_common.contract import DatasetError, check_target, open_input, write_json_atomic
 from eyas_common.prompts import load_prompts
 from eyas_train.export import load_draft
 from eyas_train.model import Eagle3Draft
@@ -82,22 +84,46 @@ def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[i
     return ids[len(prompt):], accepted
 
 
+def memory_check(model: str | Path, dtype: str, cuda: bool) -> str:
+    """The target's weights in `dtype` against this machine's memory: a one-line estimate, or a refusal
+    that points to the served measurement when only a server can hold the target."""
+    import os
+
+    need = read_checkpoint_size(model).load_bytes(dtype)
+    if cuda:
+        have = sum(torch.cuda.get_device_properties(i).total_memory for i in range(torch.cuda.device_count()))
+        where = f"{torch.cuda.device_count()} GPU(s)"
+    else:
+        have, where = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_AVPHYS_PAGES"), "free host memory"
+    line = f"target weights {need / 1e9:,.2f} GB in {dtype}; {where}: {have / 1e9:,.1f} GB"
+    if need > 0.9 * have:
+        raise DatasetError(f"{line}: the offline eval runs the whole target on this machine and it does not fit. "
+                           f"Measure acceptance on the served target instead (stage 04, stages/04_serve: vLLM's "
+                           f"spec_decode metrics with this draft), or run the eval on a machine with more memory")
+    return line
+
+
 def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int = 3, max_tokens: int = 256,
-             thinking: bool = True, limit: int | None = None, dtype: str = "float32", out: Path | None = None,
+             thinking: bool = True, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
+             trust_remote_code: bool = False, out: Path | None = None,
              data_root: Path | None = None) -> dict[str, Any]:
     """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL, both in `dtype` (the
-    serving dtype, for agreement with a server), on the GPUs when there are any (device_map auto)."""
+    serving dtype, for agreement with a server; auto: bf16 on GPU, fp32 on CPU), spread over the GPUs
+    when there are any (device_map auto)."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.monotonic()
     ds, manifest = open_input(draft, "drafts", root=data_root)
-    tok = load_tokenizer(model)
+    tok = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tok, model))
     cuda = torch.cuda.is_available()
+    dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
+    print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
     module, aux_ids = load_draft(ds.path, model)
     module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
-                                                  device_map="auto" if cuda else None).eval()
+                                                  device_map=device_map or ("auto" if cuda else None),
+                                                  trust_remote_code=trust_remote_code).eval()
     conversations = load_prompts(prompts)[:limit]
     eot = ChatTokens.of(tok).end_of_turn
     counts: list[int] = []

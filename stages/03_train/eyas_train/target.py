@@ -15,6 +15,9 @@ from safetensors import safe_open
 from eyas_train.vocab import VocabMap
 
 
+TEXT_PREFIX = "language_model."
+
+
 def text_config(model: str | Path) -> dict[str, Any]:
     """The target's text-model config (multimodal wrappers such as Kimi-K2.5 nest it in `text_config`)."""
     cfg = json.loads((Path(model) / "config.json").read_text())
@@ -41,6 +44,8 @@ def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
     model = Path(model)
     names = _weight_files(model)
     found = sorted(k for k in names if k == suffix or k.endswith("." + suffix))
+    if len(found) > 1:  # a multimodal wrapper (Kimi-K2.5): the text model's, under `language_model.`
+        found = [k for k in found if k.startswith(TEXT_PREFIX)] or found
     if len(found) != 1:
         what = "no tensor" if not found else f"{len(found)} tensors ({', '.join(found[:4])})"
         near = sorted(k for k in names if suffix.split(".")[0] in k)[:8]

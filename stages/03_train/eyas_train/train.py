@@ -29,6 +29,7 @@ from eyas_train.config import TrainConfig
 from eyas_common.hidden import HiddenShards
 from eyas_train.data import global_batches, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
+from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight, text_config
@@ -150,7 +151,7 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
 
 def _open(cfg: TrainConfig, data_root: Path | None):
     hidden_ds, hidden_m = open_input(cfg.hidden, "hidden", root=data_root)
-    fingerprint = target_fingerprint(load_tokenizer(cfg.model), cfg.model)
+    fingerprint = target_fingerprint(load_tokenizer(cfg.model, cfg.trust_remote_code), cfg.model)
     check_target(hidden_ds, hidden_m, fingerprint)
     out = Dataset.parse(cfg.name, "drafts", data_root)
     if out.exists() and out.read_manifest().get("status") == "complete":
@@ -188,9 +189,17 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
                                f"({'; '.join(changed)}): rerun with the same settings to resume, or delete it "
                                f"with `eyas-data rm {out.ref}`")
         vocab = vocab_from(ckpt["vocab"])
-    else:
+    init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft else None
+    if init is not None:
+        check_fits(init, vocab_size=vocab_size, hidden_size=hidden_size, aux_layers=aux_layers)
+        if ckpt is None:
+            vocab, report = init_vocab(init, token_counts(shards, vocab_size), cfg.init_vocab, cfg.draft_vocab)
+            if d.main:
+                say(f"--init-draft {init.source} ({init.layout} layout): {report}")
+    elif ckpt is None:
         vocab = build_vocab(token_counts(shards, vocab_size), cfg.draft_vocab)
-    dcfg = draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(), cfg.norm_before_residual)
+    dcfg = (run_config(init, vocab) if init is not None else
+            draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(), cfg.norm_before_residual))
 
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
@@ -204,6 +213,8 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
         # the layer then only has to produce a state like the target's last residual stream.
         draft.norm.weight.copy_(load_weight(cfg.model, "model.norm.weight"))
         draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target])
+    if init is not None:
+        load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
     teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
     module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
     trainable = [p for p in module.parameters() if p.requires_grad]
