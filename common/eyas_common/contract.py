@@ -36,7 +36,7 @@ REMAKE = {
     "synth": "eyas-synth run (make synth)",
     "hidden": "eyas-extract run (make extract)",
     "drafts": "eyas-train run (make train)",
-    "bench": "eyas-serve (make serve)",
+    "bench": "eyas-serve bench (make bench-serve)",
 }
 
 
