@@ -57,8 +57,8 @@ test: install vllm ## run every test (CPU; starts real vLLM servers on 127.0.0.1
 	$(PY) -m pytest tests -q -rs $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-demo: install vllm ## the whole chain through the make targets on the tiny fixture target, on CPU (data in ./data/demo)
-	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py
+demo: install ## the whole chain through the make targets on the tiny fixture target, on CPU (data in ./data/demo)
+	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py  # it runs `make vllm` beside the fixture build
 
 synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... NAME=...
 	@test -n "$(PROMPTS)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 MODEL=/path/to/target NAME=synth_10k" >&2; exit 2; }

