@@ -84,11 +84,18 @@ class Served:
         raise SystemExit(f"{self.label} server not healthy after {timeout_s:.0f} s")
 
     def stop(self) -> None:
-        """SIGTERM to make and eyas-serve; eyas-serve stops the engine's own group before it exits."""
+        """SIGTERM to eyas-serve (make's child): it stops the engine's own group, exits 0, and make with it."""
         try:
-            os.killpg(self.proc.pid, signal.SIGTERM)
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        try:
+            for pid in children:
+                os.kill(int(pid), signal.SIGTERM)
+            if not children:
+                os.killpg(self.proc.pid, signal.SIGTERM)
         except ProcessLookupError:
-            return
+            pass
         self.proc.wait()
         for _ in range(300):  # eyas-serve may outlive make by the engine's shutdown
             try:

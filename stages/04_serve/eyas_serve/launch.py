@@ -70,12 +70,17 @@ def plan(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
     return engine_command(cfg, draft_dir), engine_env(cfg)
 
 
+class _Terminated(Exception):
+    """SIGTERM: the way service managers (and `make demo`) ask a server to stop."""
+
+
 def _raise_on_sigterm(signum: int, frame: Any) -> None:
-    raise SystemExit(128 + signum)
+    raise _Terminated()
 
 
 def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
-    """Start the engine, wait for health, serve until it exits or we are told to stop; return an exit code.
+    """Start the engine, wait for health, serve until it exits or we are told to stop; return an exit code
+(0 after SIGTERM, 130 after Ctrl-C, the engine's own code, at least 1, when it exits by itself).
 
     `ready(server)` is called once the engine is healthy (the CLI prints the URL there).
     """
@@ -106,6 +111,9 @@ def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
     except KeyboardInterrupt:
         say("interrupted: stopping the engine")
         return 130
+    except _Terminated:
+        say("SIGTERM: stopping the engine")
+        return 0
     finally:
         if server is not None:
             stop(server)
