@@ -155,13 +155,15 @@ def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_d
     root = trained_draft.root
     prompts = write_prompts_jsonl(root / "heldout_ctrl_c.jsonl", 40, seed=12)
     b = subprocess.Popen([EYAS_SERVE, "bench", "--server", served.url, "--prompts", str(prompts), "--name",
-                          "interrupted", "--concurrency", "1", "--warmup", "0"], env={**os.environ, "EYAS_DATA": str(root)},
+                          "interrupted", "--concurrency", "1", "--num-prompts", "400", "--warmup", "0"],
+                         env={**os.environ, "EYAS_DATA": str(root)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = Dataset.parse("interrupted", "bench", root).manifest_path
     deadline = time.monotonic() + 120
     while not manifest.exists() and time.monotonic() < deadline:
         time.sleep(0.5)
-    time.sleep(3)  # requests in flight
+    time.sleep(3)  # requests in flight (400 of them one at a time take far longer than this)
+    assert b.poll() is None, "the bench ended before it could be interrupted"
     for p in (b, served.proc):
         p.send_signal(signal.SIGINT)
     assert b.wait(120) == 130 and served.proc.wait(120) == 130
