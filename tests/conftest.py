@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -34,3 +36,29 @@ def vllm_server(fixture_target: Path, tmp_path_factory: pytest.TempPathFactory) 
         fixture_target, log_path=log, timeout_s=600, extra_args=["--reasoning-parser", "kimi_k2"]
     ) as server:
         yield server
+
+
+# The fixture recipe (stages/03_train/README.md): 20 epochs of 400 answers, 4 samples a step, 7 TTT steps.
+RECIPE = dict(epochs=20, batch_size=4, lr=3e-3, ttt_steps=7, draft_vocab=1024, log_every=100, ckpt_every=500)
+
+
+@dataclass(frozen=True)
+class TrainedDraft:
+    root: Path      # the data root holding synth/, hidden/ and drafts/fixture_trained
+    ref: str        # drafts/fixture_trained
+    path: Path
+    train_s: float  # wall time of the training run
+
+
+@pytest.fixture(scope="session")
+def trained_draft(fixture_target: Path, tmp_path_factory: pytest.TempPathFactory) -> TrainedDraft:
+    """A draft trained once per session on 400 of the fixture's own answers (several minutes of CPU):
+    stage 03 checks its training, stage 04 serves and benchmarks it."""
+    from eyas_train.train import run as train
+    from test_train_data import build_datasets
+
+    root = tmp_path_factory.mktemp("trained_draft")
+    hidden = build_datasets(root, fixture_target, 400, seed=0)
+    t0 = time.monotonic()
+    path = train(hidden=hidden.ref, model=fixture_target, name="fixture_trained", data_root=root, **RECIPE)
+    return TrainedDraft(root, "drafts/fixture_trained", path, time.monotonic() - t0)

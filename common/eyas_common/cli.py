@@ -83,11 +83,13 @@ def fixture(out: Path, arch: str, seed: int) -> None:
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
 @click.option("--n", type=click.IntRange(min=1), default=200, show_default=True, help="Number of prompts.")
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True, help="Prompt draw seed.")
-def prompts(out: Path, n: int, seed: int) -> None:
-    """Write N held-out fixture prompts (OpenAI `messages` JSONL), disjoint from its training data."""
+@click.option("--split", type=click.Choice(["heldout", "train"]), default="heldout", show_default=True,
+              help="heldout: problems the fixture never saw (benchmarks); train: its training distribution (synth).")
+def prompts(out: Path, n: int, seed: int, split: str) -> None:
+    """Write N fixture prompts (OpenAI `messages` JSONL); the held-out split is disjoint from its training data."""
     from eyas_common.fixture import write_prompts_jsonl
 
-    write_prompts_jsonl(out, n, seed)
+    write_prompts_jsonl(out, n, seed, split)
     click.echo(f"wrote {n} prompts to {out}")
 
 

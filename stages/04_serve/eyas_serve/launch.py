@@ -1,0 +1,129 @@
+"""`eyas-serve launch`: check the draft against the target, then run the engine until Ctrl-C / SIGTERM.
+
+Nothing starts before the checks pass: a draft made for another target (tokenizer fingerprint or hidden
+size) and a port already taken are refused first, each in one line that names both sides and the fix.
+The engine runs in its own process group; on Ctrl-C or SIGTERM the whole group is stopped (vLLM forks an
+engine-core process that would otherwise outlive the API server).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+import signal
+import socket
+import time
+from pathlib import Path
+from typing import Any
+
+import click
+
+from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.contract import Dataset, DatasetError, check_target, open_input
+from eyas_common.drafts import read_config
+from eyas_common.servers import VllmServer, log_tail, start_server, stop, wait_healthy
+from eyas_serve.config import LaunchConfig
+from eyas_serve.engines import engine_command, engine_env
+
+
+def say(msg: str) -> None:
+    click.echo(f"[eyas-serve] {msg}", err=True)
+
+
+def _hidden_size(config_json: Path) -> int | None:
+    """hidden_size of a model folder's config.json (the text model's, for multimodal wrappers like Kimi-K2.5)."""
+    cfg = json.loads(config_json.read_text())
+    for key in ("text_config", "language_config"):
+        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
+            return int(cfg[key]["hidden_size"])
+    return int(cfg["hidden_size"]) if "hidden_size" in cfg else None
+
+
+def check_draft(draft: str, model: str | Path, trust_remote_code: bool = False) -> tuple[Dataset, dict[str, Any]]:
+    """Open drafts/NAME and refuse it unless it was made for MODEL: same tokenizer, same hidden size."""
+    ds, manifest = open_input(draft, "drafts")
+    model = Path(model)
+    if not (model / "config.json").is_file():
+        raise DatasetError(f"--model {model}: no config.json there; pass the local folder of the target")
+    check_target(ds, manifest, target_fingerprint(load_tokenizer(model, trust_remote_code), model))
+    made_for = read_config(ds.path).get("target_hidden_size")
+    served = _hidden_size(model / "config.json")
+    if made_for is not None and served is not None and int(made_for) != served:
+        raise DatasetError(f"{ds.ref} was trained for a target of hidden size {made_for} "
+                           f"({(manifest.get('target') or {}).get('model')}), but {model} has hidden size "
+                           f"{served}: serve it with its own target, or train a draft for this one (make train)")
+    return ds, manifest
+
+
+def check_port_free(host: str, port: int) -> None:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+        except OSError as e:
+            raise click.ClickException(f"port {port} on {host} is already in use ({e.strerror}): stop what "
+                                       f"holds it, or choose another --port") from None
+
+
+def plan(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
+    """The engine command and its extra environment, after the draft check (nothing is started)."""
+    draft_dir = check_draft(cfg.draft, cfg.model, cfg.trust_remote_code)[0].path if cfg.draft else None
+    return engine_command(cfg, draft_dir), engine_env(cfg)
+
+
+class _Terminated(Exception):
+    """SIGTERM: the way service managers (and `make demo`) ask a server to stop."""
+
+
+def _raise_on_sigterm(signum: int, frame: Any) -> None:
+    raise _Terminated()
+
+
+def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
+    """Start the engine, wait for health, serve until it exits or we are told to stop; return an exit code
+(0 after SIGTERM, 130 after Ctrl-C, the engine's own code, at least 1, when it exits by itself).
+
+    `ready(server)` is called once the engine is healthy (the CLI prints the URL there).
+    """
+    cmd, env = plan(cfg)
+    if shutil.which(cmd[0]) is None:
+        raise click.ClickException(f"no interpreter at {cmd[0]}: install the engine (`make vllm` for vLLM on CPU) "
+                                   f"or pass --python")
+    check_port_free(cfg.host, cfg.port)
+    log = Path(cfg.log or f"serve-{cfg.engine}-{cfg.port}.log").absolute()
+    previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
+    server: VllmServer | None = None
+    try:
+        server = start_server(cmd, port=cfg.port, log_path=log, env=env, host=cfg.host)
+        say(f"{cfg.engine} starting (pid {server.pid}, log {log}); waiting up to {cfg.health_timeout_s:.0f} s "
+            f"for {server.url}/health")
+        t0 = time.monotonic()
+        try:
+            wait_healthy(server, cfg.health_timeout_s)
+        except (RuntimeError, TimeoutError) as e:
+            raise click.ClickException(f"{cfg.engine} did not become healthy; it was stopped. {e}") from None
+        say(f"ready after {time.monotonic() - t0:.0f} s: {server.url} "
+            f"({'with ' + cfg.draft if cfg.draft else 'no draft: baseline'}); Ctrl-C stops it")
+        if ready is not None:
+            ready(server)
+        code = server.proc.wait()
+        say(f"{cfg.engine} exited with code {code}; last lines of {log}:\n{log_tail(log)}")
+        return code or 1
+    except KeyboardInterrupt:
+        say("interrupted: stopping the engine")
+        return 130
+    except _Terminated:
+        say("SIGTERM: stopping the engine")
+        return 0
+    finally:
+        if server is not None:
+            stop(server)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def print_command(cfg: LaunchConfig) -> str:
+    """The shell line `--print` shows: extra environment, then the command, quoted for a shell."""
+    cmd, env = plan(cfg)
+    knobs = [f"{k}={v}" for k, v in env.items() if k in ("NCCL_P2P_DISABLE",)]
+    return " ".join(knobs + [shlex.quote(c) for c in cmd])
+

@@ -1,0 +1,44 @@
+"""bench.png: acceptance per draft position; output tokens/s against concurrency with and without the draft."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from eyas_common.contract import atomic_write
+
+
+def plot_results(results: dict[str, Any], png: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")  # headless: benchmark hosts have no display
+    import matplotlib.pyplot as plt
+
+    fig, (ax_pos, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    spec = results.get("spec") or {}
+    per_pos = [p for p in spec.get("per_position") or [] if p is not None]
+    if per_pos:
+        ax_pos.bar(range(1, len(per_pos) + 1), per_pos, color="tab:blue")
+        ax_pos.set_xticks(range(1, len(per_pos) + 1))
+        title = f"acceptance length {spec['acceptance_length']:.2f}"
+    else:
+        ax_pos.text(0.5, 0.5, "no per-position counters", ha="center", va="center", transform=ax_pos.transAxes)
+        title = "acceptance: not reported by the server"
+    ax_pos.set(xlabel="draft position", ylabel="accepted / verification steps", ylim=(0, 1), title=title)
+    levels = results["levels"]
+    conc = [lv["concurrency"] for lv in levels]
+    ax_tps.plot(conc, [lv["draft"]["tokens_per_s"] for lv in levels], "o-", label="with draft")
+    if all(lv.get("baseline") for lv in levels):
+        ax_tps.plot(conc, [lv["baseline"]["tokens_per_s"] for lv in levels], "s--", label="baseline (no draft)")
+    ax_tps.set(xlabel="requests in flight", ylabel="output tokens/s", xscale="log", title="throughput")
+    ax_tps.set_xticks(conc, [str(c) for c in conc])
+    for ax in (ax_pos, ax_tps):
+        ax.grid(alpha=0.3)
+    ax_tps.legend()
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write(png, buf.getvalue())
+    return png

@@ -1,0 +1,252 @@
+"""Stage 04 without a running engine: the engine command lines against the flags each engine defines, the
+metric parsers against recorded real responses, the bench dataset format, and the refusals that must
+come before any server starts (a draft for another target, a taken port, a prompts file with nothing
+usable in it)."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_results, write_results
+from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, write_json_atomic
+from eyas_common.servers import default_vllm_python
+from eyas_serve.config import LaunchConfig
+from eyas_serve.engines import engine_command
+from eyas_serve.metrics import SpecCounters, parse_sglang_server_info, parse_vllm_metrics
+from eyas_serve.plot import plot_results
+from eyas_serve.report import table
+
+DATA = Path(__file__).parent / "data"
+EYAS_SERVE = str(Path(sys.executable).parent / "eyas-serve")
+
+# SGLang's launch flags used here, as its ServerArgs dataclass defines them (python/sglang/srt/server_args.py:
+# each field `x_y` is the flag `--x-y`). SGLang has no CPU build for this machine, so it cannot parse them here.
+SGLANG_FLAGS = {"--model-path", "--host", "--port", "--tp-size", "--disable-custom-all-reduce",
+                "--speculative-algorithm", "--speculative-draft-model-path", "--speculative-num-steps",
+                "--speculative-eagle-topk", "--speculative-num-draft-tokens", "--mem-fraction-static"}
+
+
+def cfg(**kw) -> LaunchConfig:
+    return LaunchConfig(**{"engine": "vllm", "model": "/models/target", "python": "python3", **kw})
+
+
+def test_sglang_command_uses_its_documented_flags():
+    cmd = engine_command(cfg(engine="sglang", tp=8, spec_tokens=3, disable_custom_all_reduce=True,
+                             engine_args=("--mem-fraction-static", "0.8")), Path("/data/drafts/d"))
+    assert cmd[1:3] == ["-m", "sglang.launch_server"]
+    flags = [c for c in cmd if c.startswith("--")]
+    assert set(flags) <= SGLANG_FLAGS, set(flags) - SGLANG_FLAGS
+    opts = dict(zip(cmd, cmd[1:]))
+    assert opts["--speculative-algorithm"] == "EAGLE3" and opts["--speculative-draft-model-path"] == "/data/drafts/d"
+    # a chain of 3 steps at top-k 1 verifies 3 + 1 tokens
+    assert (opts["--speculative-num-steps"], opts["--speculative-eagle-topk"], opts["--speculative-num-draft-tokens"]) \
+        == ("3", "1", "4")
+    assert opts["--tp-size"] == "8" and cmd[-2:] == ["--mem-fraction-static", "0.8"]
+    assert "--speculative-algorithm" not in engine_command(cfg(engine="sglang"), None)
+
+
+@pytest.mark.vllm
+def test_vllm_command_parses_with_vllms_own_parser():
+    """vLLM's own argument parser (from .venv-vllm) reads the command eyas builds, to the same values."""
+    cmd = engine_command(cfg(tp=2, spec_tokens=3, disable_custom_all_reduce=True,
+                             engine_args=("--max-model-len", "1024")), Path("/data/drafts/d"))
+    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    probe = ("import json, sys\n"
+             "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
+             "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
+             "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
+             "print(json.dumps({k: getattr(a, k) for k in ('model', 'host', 'port', 'tensor_parallel_size',"
+             " 'disable_custom_all_reduce', 'speculative_config', 'max_model_len')}, default=str))\n")
+    out = subprocess.run([str(default_vllm_python()), "-c", probe, *cmd[3:]], capture_output=True, text=True,
+                         timeout=300, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    parsed = json.loads(out.stdout.strip().splitlines()[-1])
+    assert parsed == {"model": "/models/target", "host": "127.0.0.1", "port": 8000, "tensor_parallel_size": 2,
+                      "disable_custom_all_reduce": True, "max_model_len": 1024,
+                      "speculative_config": {"method": "eagle3", "model": "/data/drafts/d", "num_speculative_tokens": 3}}
+
+
+def _sample(text: str, name: str, position: int | None = None) -> float:
+    """One counter read by hand from the recorded page (summed over its label sets)."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") and (position is None or f'position="{position}"' in line):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+def test_vllm_metrics_recorded_from_a_real_server():
+    text = (DATA / "vllm_metrics_eagle3.txt").read_text()
+    c = parse_vllm_metrics(text)
+    drafts = _sample(text, "vllm:spec_decode_num_drafts_total")
+    assert drafts > 0 and c.drafts == drafts
+    assert c.accepted == _sample(text, "vllm:spec_decode_num_accepted_tokens_total")
+    assert c.draft_tokens == _sample(text, "vllm:spec_decode_num_draft_tokens_total") == 3 * drafts
+    assert c.per_position == tuple(_sample(text, "vllm:spec_decode_num_accepted_tokens_per_pos_total", i)
+                                   for i in range(3))
+    assert sum(c.per_position) == c.accepted
+    s = c.summary()
+    assert s["acceptance_length"] == pytest.approx(1 + c.accepted / c.drafts)
+    assert s["per_position"] == pytest.approx([p / drafts for p in c.per_position])
+    # the same server's page, read later: the difference is what happened in between
+    later = SpecCounters(c.drafts + 10, c.draft_tokens + 30, c.accepted + 25, tuple(p + d for p, d in
+                                                                                    zip(c.per_position, (10, 9, 6))))
+    assert (later - c).summary()["acceptance_length"] == pytest.approx(3.5)
+    assert (later - c).summary()["per_position"] == pytest.approx([1.0, 0.9, 0.6])
+
+
+def test_a_server_without_a_draft_has_no_spec_metrics():
+    text = (DATA / "vllm_metrics_no_draft.txt").read_text()
+    assert "vllm:" in text and parse_vllm_metrics(text) is None
+    assert SpecCounters(0, 0, 0, (0.0, 0.0)).summary()["acceptance_length"] is None  # nothing drafted: no 1.0
+
+
+def test_sglang_server_info_shapes():
+    info = json.loads((DATA / "sglang_server_info.json").read_text())
+    assert parse_sglang_server_info(info) == pytest.approx(3.12)
+    assert parse_sglang_server_info({**info, "internal_states": [{"last_gen_throughput": 10.0}]}) is None
+    assert parse_sglang_server_info({"avg_spec_accept_length": 2.5}) == 2.5  # older SGLang: top level
+    two_ranks = {"internal_states": [{"avg_spec_accept_length": 3.0}, {"avg_spec_accept_length": 2.0}]}
+    assert parse_sglang_server_info(two_ranks) == 2.5
+
+
+# ------------------------------------------------------------------------------------------------
+# the bench dataset
+
+
+def _level(c: int, tps: float) -> dict:
+    lat = {"requests": 4, "errors": 0, "output_tokens": 400, "duration_s": 400 / tps, "tokens_per_s": tps,
+           "ttft_ms": {"p50": 20.0, "p90": 30.0}, "itl_ms": {"p50": 5.0, "p90": 6.0}}
+    spec = {"drafts": 100, "draft_tokens": 300, "accepted": 240, "acceptance_length": 3.4,
+            "per_position": [0.9, 0.8, 0.7]}
+    return {"concurrency": c, "draft": lat, "baseline": {**lat, "tokens_per_s": tps / 2}, "spec": spec, "speedup": 2.0}
+
+
+def _draft_dataset(root: Path, model: Path, name: str = "d", hidden_size: int = 128) -> Dataset:
+    ds = Dataset.parse(name, "drafts", root)
+    ds.path.mkdir(parents=True)
+    write_json_atomic(ds.path / "config.json", {"architectures": ["LlamaForCausalLMEagle3"],
+                                                "target_hidden_size": hidden_size})
+    m = new_manifest("drafts", stage="03_train", target=target_fingerprint(load_tokenizer(model), model),
+                     inputs=[{"ref": "hidden/h", "manifest_sha256": "0" * 64},
+                             {"ref": "synth/s", "manifest_sha256": "1" * 64}], params={})
+    finalize(ds, m, stats={})
+    return ds
+
+
+def test_bench_dataset_round_trip_and_refusals(tmp_path, fixture_target):
+    _draft_dataset(tmp_path, fixture_target)
+    out, m = start("b", draft="drafts/d", params={"x": 1}, root=tmp_path)
+    assert m["status"] == "partial" and [i["ref"] for i in m["inputs"]] == ["drafts/d", "hidden/h", "synth/s"]
+    with pytest.raises(DatasetError, match="status is 'partial'"):
+        read_results("bench/b", root=tmp_path)
+    results = {"engine": "vllm", "server": "http://a", "baseline": "http://b", "prompts": "p.jsonl",
+               "levels": [_level(1, 100.0), _level(4, 300.0)], "spec": _level(1, 1)["spec"], "spec_tokens": 3}
+    plot_results(results, out.path / PLOT)
+    write_results(out, m, results, stats={})
+    ds, manifest, back = read_results("bench/b", root=tmp_path)
+    assert back == results and {f["name"] for f in manifest["files"]} == {RESULTS, PLOT}
+    text = table(back, manifest)
+    assert "acceptance length 3.40 (240 accepted / 100 drafts)" in text and "drafts/d <- hidden/h <- synth/s" in text
+    with pytest.raises(DatasetError, match="already complete"):
+        start("b", draft="drafts/d", params={}, root=tmp_path)
+    bad = {**results, "levels": [{**_level(1, 1.0), "draft": {"tokens_per_s": 1.0}}]}
+    with pytest.raises(DatasetError, match=r"levels\[0\].draft: needs requests"):
+        validate_results(bad)
+    with pytest.raises(DatasetError, match="at least 1"):
+        validate_results({**results, "spec": {**results["spec"], "acceptance_length": 0.5}})
+
+
+# ------------------------------------------------------------------------------------------------
+# refusals before anything starts (the real CLI)
+
+
+def serve_cli(root: Path, *args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([EYAS_SERVE, *args], capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "EYAS_DATA": str(root)})
+
+
+def _other_target(fixture_target: Path, tmp_path: Path, hidden: int | None = None, token: str | None = None) -> Path:
+    other = tmp_path / "other_target"
+    shutil.copytree(fixture_target, other)
+    if hidden is not None:
+        cfg_path = other / "config.json"
+        cfg_path.write_text(json.dumps({**json.loads(cfg_path.read_text()), "hidden_size": hidden}))
+    if token is not None:
+        tok = load_tokenizer(other)
+        tok.add_special_tokens({"additional_special_tokens": [token]})
+        tok.save_pretrained(other)
+    return other
+
+
+@pytest.mark.parametrize("change", ["tokenizer", "hidden_size"])
+def test_a_draft_for_another_target_is_refused_before_anything_starts(change, tmp_path, fixture_target):
+    _draft_dataset(tmp_path, fixture_target)
+    other = _other_target(fixture_target, tmp_path, **({"hidden": 256} if change == "hidden_size" else
+                                                       {"token": "<|other|>"}))
+    log = tmp_path / "serve.log"
+    r = serve_cli(tmp_path, "launch", "--model", str(other), "--draft", "drafts/d", "--log", str(log),
+                  "--port", "1")  # port 1 would fail to bind: the refusal must come first
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    msg = r.stderr.strip().splitlines()[-1]
+    if change == "hidden_size":
+        assert "trained for a target of hidden size 128" in msg and "has hidden size 256" in msg, msg
+    else:
+        assert "tokenizer loaded from" in msg and str(other) in msg and str(fixture_target) in msg, msg
+    assert not log.exists()
+    if change == "tokenizer":
+        return
+    # the same draft against its own target passes the check (and --print shows the command)
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--draft", "drafts/d", "--print",
+                  "--nccl-p2p-disable", "--", "--max-model-len", "1024")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("NCCL_P2P_DISABLE=1 ") and '"method": "eagle3"' in r.stdout
+    assert r.stdout.strip().endswith("--max-model-len 1024")
+
+
+def test_a_port_in_use_is_refused(tmp_path, fixture_target):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        log = tmp_path / "serve.log"
+        r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--port", str(port), "--log", str(log))
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert f"port {port} on 127.0.0.1 is already in use" in r.stderr and "--port" in r.stderr
+    assert not log.exists()
+
+
+@pytest.mark.parametrize("content, where", [
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": [{"role": "assistant", "content": "x"}]}\n',
+     r"prompts\.jsonl:2: the conversation has no user turn"),
+    ("\n\n", r"prompts\.jsonl holds no prompts"),
+    ('{"messages": [{"role": "user", "content": "hi"}]}\n{"messages": \n', r"prompts\.jsonl:2: malformed JSON"),
+])
+def test_a_prompts_file_with_no_usable_prompt_is_refused(content, where, tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(content)
+    r = serve_cli(tmp_path, "bench", "--server", "http://127.0.0.1:1", "--prompts", str(prompts), "--name", "b")
+    assert r.returncode == 1 and "Traceback" not in r.stderr
+    assert re.search(where, r.stderr), r.stderr
+    assert not (tmp_path / "bench").exists()
+
+
+def test_bad_options_get_one_line(tmp_path):
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    r = serve_cli(tmp_path, "bench", "--server", "http://127.0.0.1:1", "--prompts", str(prompts), "--name", "b",
+                  "--concurrency", "1,0")
+    assert r.returncode == 2 and "every level must be >= 1" in r.stderr
+    r = serve_cli(tmp_path, "bench", "--server", "http://127.0.0.1:1", "--prompts", str(prompts), "--name", "b")
+    assert r.returncode == 1 and "http://127.0.0.1:1: no answer" in r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "bench").exists()

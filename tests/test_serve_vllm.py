@@ -1,0 +1,173 @@
+"""Stage 04 against real vLLM (CPU): `eyas-serve launch` serves the session's trained draft, `eyas-serve bench`
+measures it against the plain server, and its acceptance is the one the server's own counters give; a
+server without a draft is reported as such; an engine that never gets healthy is stopped; Ctrl-C during a
+bench leaves no server and no complete results.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from eyas_common.bench import read_results
+from eyas_common.contract import Dataset
+from eyas_common.fixture import write_prompts_jsonl
+from eyas_common.servers import free_port
+from eyas_train.eval import evaluate
+
+pytestmark = pytest.mark.vllm
+EYAS_SERVE = str(Path(sys.executable).parent / "eyas-serve")
+CPU_ENGINE = ["--", "--max-model-len", "1024", "--dtype", "float32"]
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Processes whose environment carries `marker` (the launcher passes its environment to the engine)."""
+    pids = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if f"EYAS_TEST_MARKER={marker}".encode() in (d / "environ").read_bytes():
+                    state = (d / "stat").read_text().rsplit(")", 1)[1].split()[0]
+                    if state != "Z":
+                        pids.append(int(d.name))
+            except OSError:
+                pass
+    return pids
+
+
+@dataclass
+class Launched:
+    proc: subprocess.Popen
+    url: str
+    marker: str
+    log: Path
+
+
+def launch(root: Path, model: Path, log: Path, *args: str, timeout_s: float = 900) -> Launched:
+    """`eyas-serve launch ...` in the background, healthy (or exited) when this returns."""
+    marker, port = uuid.uuid4().hex, free_port()
+    env = {**os.environ, "EYAS_DATA": str(root), "EYAS_TEST_MARKER": marker}
+    proc = subprocess.Popen([EYAS_SERVE, "launch", "--model", str(model), "--port", str(port), "--log", str(log),
+                             *args], env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out = Launched(proc, f"http://127.0.0.1:{port}", marker, log)
+    deadline = time.monotonic() + timeout_s
+    while proc.poll() is None and time.monotonic() < deadline:
+        try:
+            if httpx.get(f"{out.url}/health", timeout=5).status_code == 200:
+                break
+        except httpx.TransportError:
+            pass
+        time.sleep(1)
+    return out
+
+
+def bench(root: Path, *args: str, **kw) -> subprocess.CompletedProcess:
+    return subprocess.run([EYAS_SERVE, "bench", *args], capture_output=True, text=True,
+                          env={**os.environ, "EYAS_DATA": str(root)}, **kw)
+
+
+def spec_counts(url: str) -> tuple[float, float, list[float]]:
+    """drafts, accepted and accepted per position, read straight from the server's /metrics page."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    total = lambda name, pos=None: sum(  # noqa: E731
+        float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+        if line.startswith(f"vllm:spec_decode_{name}{{") and (pos is None or f'position="{pos}"' in line))
+    return total("num_drafts_total"), total("num_accepted_tokens_total"), \
+        [total("num_accepted_tokens_per_pos_total", i) for i in range(3)]
+
+
+@pytest.fixture(scope="module")
+def served(trained_draft, fixture_target, tmp_path_factory):
+    log = tmp_path_factory.mktemp("serve") / "draft.log"
+    s = launch(trained_draft.root, fixture_target, log, "--draft", trained_draft.ref, "--spec-tokens", "3",
+               *CPU_ENGINE)
+    assert s.proc.poll() is None, f"eyas-serve launch exited: {s.proc.stderr.read()}"
+    yield s
+    if s.proc.poll() is None:
+        s.proc.send_signal(signal.SIGTERM)
+        s.proc.wait(120)
+    assert not marked_pids(s.marker), "engine processes left behind"
+
+
+def test_bench_acceptance_is_the_servers_own(served, vllm_server, trained_draft, fixture_target):
+    root = trained_draft.root
+    prompts = write_prompts_jsonl(root / "heldout.jsonl", 40, seed=11)  # held-out problems, not trained on
+    d0, a0, p0 = spec_counts(served.url)
+    r = bench(root, "--server", served.url, "--baseline", vllm_server.url, "--prompts", str(prompts),
+              "--name", "trained", "--draft", trained_draft.ref, "--concurrency", "8", "--warmup", "0", timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    d1, a1, p1 = spec_counts(served.url)
+    ds, manifest, results = read_results("bench/trained", root=root)
+    spec = results["spec"]
+    assert (spec["drafts"], spec["accepted"]) == (d1 - d0, a1 - a0)
+    assert spec["acceptance_length"] == pytest.approx(1 + (a1 - a0) / (d1 - d0), abs=1e-12)
+    assert spec["per_position"] == pytest.approx([(b - a) / (d1 - d0) for a, b in zip(p0, p1)], abs=1e-12)
+    level = results["levels"][0]
+    assert level["draft"]["requests"] == level["baseline"]["requests"] == 40 and level["draft"]["errors"] == 0
+    assert level["speedup"] == pytest.approx(level["draft"]["tokens_per_s"] / level["baseline"]["tokens_per_s"])
+    assert [i["ref"] for i in manifest["inputs"]][:3] == ["drafts/fixture_trained", "hidden/fixture_400_0",
+                                                          "synth/fixture_400_0"]
+    assert manifest["target"]["model"] == str(fixture_target) and (ds.path / "bench.png").stat().st_size > 0
+
+    offline = evaluate(draft=trained_draft.ref, model=fixture_target, prompts=prompts, spec_tokens=3, data_root=root)
+    print(json.dumps({"vllm": spec, "speedup_c8": level["speedup"], "offline": offline}, indent=2))
+    assert spec["acceptance_length"] >= 3.3, spec
+    assert abs(offline["acceptance_length"] - spec["acceptance_length"]) <= 0.15, (offline, spec)
+    report = subprocess.run([EYAS_SERVE, "report", "bench/trained"], capture_output=True, text=True,
+                            env={**os.environ, "EYAS_DATA": str(root)})
+    assert f"acceptance length {spec['acceptance_length']:.2f}" in report.stdout
+
+
+def test_a_server_without_a_draft_is_reported_as_such(vllm_server, tmp_path):
+    prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 2, seed=11)
+    r = bench(tmp_path, "--server", vllm_server.url, "--prompts", str(prompts), "--name", "plain",
+              "--concurrency", "1", "--max-tokens", "16", "--warmup", "0", timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert "exposes no speculative-decoding counters" in r.stderr
+    _, _, results = read_results("bench/plain", root=tmp_path)
+    assert results["spec"] is None and results["levels"][0]["spec"] is None
+    assert "acceptance length: not reported" in r.stdout
+
+
+def test_an_engine_that_never_gets_healthy_is_stopped(fixture_target, tmp_path):
+    log = tmp_path / "slow.log"
+    s = launch(tmp_path, fixture_target, log, "--health-timeout", "5", *CPU_ENGINE, timeout_s=120)
+    s.proc.wait(120)
+    err = s.proc.stderr.read()
+    assert s.proc.returncode == 1 and "Traceback" not in err.split("last lines of")[0]
+    assert "did not become healthy; it was stopped" in err and "not healthy after 5s" in err
+    assert "vllm.entrypoints.openai.api_server" in err  # the log's tail: its first line is the command
+    assert not marked_pids(s.marker)
+
+
+def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_draft):
+    """Last in this module: it stops the served draft, as Ctrl-C in the terminals running both would."""
+    root = trained_draft.root
+    prompts = write_prompts_jsonl(root / "heldout_ctrl_c.jsonl", 40, seed=12)
+    b = subprocess.Popen([EYAS_SERVE, "bench", "--server", served.url, "--prompts", str(prompts), "--name",
+                          "interrupted", "--concurrency", "1", "--num-prompts", "400", "--warmup", "0"],
+                         env={**os.environ, "EYAS_DATA": str(root)},
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    manifest = Dataset.parse("interrupted", "bench", root).manifest_path
+    deadline = time.monotonic() + 120
+    while not manifest.exists() and time.monotonic() < deadline:
+        time.sleep(0.5)
+    time.sleep(3)  # requests in flight (400 of them one at a time take far longer than this)
+    assert b.poll() is None, "the bench ended before it could be interrupted"
+    for p in (b, served.proc):
+        p.send_signal(signal.SIGINT)
+    assert b.wait(120) == 130 and served.proc.wait(120) == 130
+    assert "Traceback" not in b.stderr.read()
+    assert json.loads(manifest.read_text())["status"] == "partial"
+    assert not (manifest.parent / "results.json").exists()
+    assert not marked_pids(served.marker)
