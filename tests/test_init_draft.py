@@ -98,10 +98,11 @@ def test_refusals_name_the_problem(trained, tmp_path) -> None:
 
 def test_remap_reports_coverage(trained) -> None:
     root, hidden = trained
-    from eyas_train.data import HiddenShards
+    from eyas_common.hidden import open_hidden
+    from eyas_train.data import token_counts
 
     init = read_init_draft("base", data_root=root)
-    counts = HiddenShards(hidden.path).token_counts(init.cfg.vocab_size)
+    counts = token_counts(open_hidden(hidden.ref, data_root=root), init.cfg.vocab_size)
     kept, report = init_vocab(init, counts, "keep", 512)
     assert torch.equal(kept.d2t, init.state["d2t"]) and "covers" in report
     remapped, report = init_vocab(init, counts, "remap", 64)

@@ -22,7 +22,8 @@ import torch
 from safetensors.torch import load_file
 
 from eyas_common.contract import Dataset, DatasetError, open_input
-from eyas_train.export import CONFIG_FILE, imported_state
+from eyas_common.drafts import CONFIG_FILE
+from eyas_train.export import imported_state
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.vocab import VocabMap, build_vocab
 
