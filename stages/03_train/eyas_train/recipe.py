@@ -45,7 +45,7 @@ def val_count(n: int, requested: int | None, world: int) -> int:
     the process count so that every rank validates the same number of batches."""
     v = requested if requested is not None else min(1000, max(n // 20, min(32, n // 8)))
     if v >= n:
-        raise ValueError(f"--val-samples {v} leaves no training sample of {n}")
+        raise ValueError(f"--val-samples {v} leaves no training sample of {n}: hold out fewer")
     return v - v % world
 
 
@@ -74,7 +74,8 @@ def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int)
     batch = world * math.ceil(batch / world)
     per_epoch = n // batch
     if per_epoch == 0:
-        raise ValueError(f"{n} training samples are fewer than one batch of {batch}")
+        raise ValueError(f"{n} training samples are fewer than one batch of {batch}: lower --batch-size "
+                         f"(or --val-samples)")
     if cfg.epochs is not None:
         total = int(round(cfg.epochs * per_epoch))
     else:
