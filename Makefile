@@ -130,6 +130,10 @@ bench-extract: install ## extraction tokens/s vs a bare forward, bytes/token vs 
 bench-train: install ## TTT training tokens/s vs a bare forward+backward of the draft (MFU on a GPU)
 	$(PY) bench/train.py
 
+QUALITY_ARGS ?=
+bench-quality: install vllm ## draft acceptance in vLLM, defaults vs best hand recipe (hours on CPU; QUALITY_ARGS=--quick: one cell)
+	$(PY) bench/quality.py $(QUALITY_ARGS)
+
 datasets: install ## list datasets under EYAS_DATA
 	$(VENV)/bin/eyas-data list
 
@@ -139,4 +143,4 @@ rm-data: install ## delete a dataset: make rm-data REF=synth/NAME (asks first)
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help install vllm test demo synth extract extract-finalize train eval serve bench-serve bench-synth bench-extract bench-train datasets rm-data clean
+.PHONY: help install vllm test demo synth extract extract-finalize train eval serve bench-serve bench-synth bench-extract bench-train bench-quality datasets rm-data clean

@@ -26,8 +26,9 @@ from eyas_train.train import export_checkpoint
 from test_train_data import build_datasets
 
 BIN = Path(sys.executable).parent
-# 24 samples, batch 4: 6 steps per epoch.
-ARGS = ["--draft-vocab", "512", "--ttt-steps", "3", "--batch-size", "4", "--lr", "3e-3", "--log-every", "2"]
+# 24 samples, batch 4: 6 steps per epoch (no validation slice: these tests compare runs step by step).
+ARGS = ["--draft-vocab", "512", "--ttt-steps", "3", "--batch-size", "4", "--lr", "3e-3", "--log-every", "2",
+        "--val-samples", "0"]
 
 
 @pytest.fixture(scope="module")
@@ -158,3 +159,36 @@ def test_kill_and_resume_equals_uninterrupted(data, fixture_target):
     assert_close(weights(root, "resumed"), weights(root, "straight"), atol=1e-6)
     log = [json.loads(line) for line in (ds.path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == list(range(2, 37, 2))  # the log was cut back and continued, no repeats
+
+
+def test_early_stopping_exports_the_best_validated_draft(data, fixture_target):
+    """16 training samples at a 10x rate overfit within a few epochs: the validation slice (8 samples held out
+    by id) stops improving, the run stops after --patience validations, and the draft it exports is the best
+    validated one, not the last."""
+    root, hidden = data
+    r = run_cli(["run", "--hidden", hidden.ref, "--model", str(fixture_target), "--name", "early", "--draft-vocab",
+                 "512", "--ttt-steps", "3", "--batch-size", "4", "--lr", "3e-2", "--epochs", "40", "--val-samples",
+                 "8", "--eval-every", "4", "--patience", "3", "--log-every", "4"], root)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ds = Dataset.parse("early", "drafts", root)
+    m = ds.read_manifest()
+    assert m["status"] == "complete" and verify(ds) == []
+    assert m["params"]["recipe"]["train_samples"] == 16 and m["params"]["recipe"]["val_samples"] == 8
+    vals = [json.loads(x) for x in (ds.path / "train_log.jsonl").read_text().splitlines() if '"val_' in x]
+    best = vals[0]
+    for v in vals[1:]:  # the first validation that no later one beats by more than 1e-3
+        best = v if v["val_predicted"][-1] > best["val_predicted"][-1] + 1e-3 else best
+    stats = m["stats"]
+    assert stats["stopped_early"] and stats["steps"] < m["params"]["total_steps"] == 160, stats
+    assert stats["steps"] == vals[-1]["step"] == best["step"] + 3 * 4
+    assert stats["exported_step"] == best["step"] and stats["val"] == best
+    assert stats["predicted_acceptance"]["3"] == best["val_predicted"][2]
+    assert f"stopping early at step {stats['steps']}" in r.stderr
+    assert f"predicted acceptance length at 3 speculative tokens {best['val_predicted'][2]:.2f}" in r.stderr
+    # the exported weights are the best validation's, and differ from the last step's
+    exported = weights(root, "early")["fc.weight"]
+    best_sd = torch.load(ds.path / "checkpoints" / "best.pt", weights_only=False)
+    last_sd = torch.load(sorted((ds.path / "checkpoints").glob("step-*.pt"))[-1], weights_only=False)
+    assert best_sd["step"] == best["step"] and last_sd["step"] == stats["steps"]
+    assert torch.equal(exported, best_sd["model"]["draft.fc.weight"].to(exported.dtype))
+    assert not torch.equal(exported, last_sd["model"]["draft.fc.weight"].to(exported.dtype))

@@ -7,41 +7,15 @@ also checks it against `eyas-train eval`.
 from __future__ import annotations
 
 import json
-from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
-from typing import Any
 
-import httpx
 import pytest
 
 from eyas_common.contract import Dataset
 from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.prompts import load_prompts
-from eyas_common.servers import running_vllm
-from eyas_serve.engines import speculative_config
-from eyas_serve.metrics import parse_vllm_metrics
+from eyas_serve.acceptance import vllm_acceptance
 from eyas_train.train import run as train
 
 from conftest import RECIPE
-
-SPEC_TOKENS = 3
-
-
-def vllm_acceptance(target: Path, draft: Path, prompts: Path, log: Path, *, max_tokens: int = 256,
-                    concurrency: int = 8) -> dict[str, Any]:
-    """Serve target + draft on vLLM (eagle3, greedy), answer every prompt, and read the spec-decode counters."""
-    with running_vllm(target, log_path=log, timeout_s=900,
-                      extra_args=["--speculative-config", json.dumps(speculative_config(draft, SPEC_TOKENS))]
-                      ) as server:
-        def ask(messages: list[dict[str, Any]]) -> str:
-            r = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
-                "model": str(target), "messages": messages, "temperature": 0.0, "max_tokens": max_tokens})
-            r.raise_for_status()
-            return r.json()["choices"][0]["finish_reason"]
-
-        with ThreadPoolExecutor(concurrency) as pool:
-            list(pool.map(ask, load_prompts(prompts)))
-        return parse_vllm_metrics(httpx.get(f"{server.url}/metrics", timeout=30).text).summary()
 
 
 @pytest.mark.vllm

@@ -7,7 +7,8 @@ folder's writer and reader, and the checks a reader makes before trusting it.
     model.safetensors  fc, midlayer.*, norm, lm_head, d2t, t2d (no embed_tokens: servers take the target's)
     train_log.jsonl    one record per log interval: loss, per-step loss and top-1 accuracy, tokens/s
     training.png       the curves of train_log.jsonl
-    checkpoints/       step-NNNNNNNN.pt: model, optimiser, scheduler, step, RNG, data position, config
+    checkpoints/       step-NNNNNNNN.pt: model, optimiser, scheduler, step, RNG, data position, config;
+                       best.pt: the weights with the best validation so far (what is exported)
     manifest.json      eyas.drafts/1: lineage (hidden + synth datasets), target fingerprint, params, stats
 The serving folder is config.json + model.safetensors: exactly what vLLM's and SGLang's
 `--speculative-config '{"method": "eagle3", "model": "<drafts/NAME>"}'` load.
@@ -24,6 +25,7 @@ from eyas_common.contract import REMAKE, DatasetError, fsync_dir, write_json_ato
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 LOG_FILE, PLOT_FILE, CKPT_DIR = "train_log.jsonl", "training.png", "checkpoints"
+BEST_FILE = "best.pt"  # in CKPT_DIR: the draft with the best validation so far (what is exported)
 ARCHITECTURE = "LlamaForCausalLMEagle3"
 # Keys a server needs from config.json, and their types.
 REQUIRED_CONFIG = {"architectures": list, "hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int,

@@ -28,14 +28,35 @@ def main() -> None:
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=D["ttt_steps"].default,
               help="Unrolled draft steps per position (training-time test).")
 @click.option("--step-decay", type=click.FloatRange(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
-@click.option("--epochs", type=click.IntRange(min=0), default=D["epochs"].default,
-              help="Passes over the hidden dataset; 0 exports the untrained draft (a baseline).")
-@click.option("--batch-size", type=click.IntRange(min=1), default=D["batch_size"].default,
-              help="Samples per optimiser step, summed over all processes.")
+@click.option("--epochs", type=click.FloatRange(min=0), default=None,
+              help="Passes over the training samples (may be fractional); 0 exports the untrained draft. "
+                   "[default: from the rule: 1 to --max-epochs, at least --min-steps steps]")
+@click.option("--batch-size", type=click.IntRange(min=1), default=None,
+              help="Samples per optimiser step, summed over all processes. [default: from the rule: about "
+                   "--batch-tokens tokens, fewer on small data]")
 @click.option("--max-len", type=click.IntRange(min=2), default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=D["lr"].default, help="AdamW peak learning rate.")
-@click.option("--warmup", type=click.FloatRange(0, 1), default=D["warmup"].default,
-              help="Share of steps warming up linearly; cosine decay to 0 after.")
+@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 512 tokens "
+                   "a step]")
+@click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
+              help="Optimiser steps of linear warm-up; cosine decay to 0 after. [default: 3% of the steps, "
+                   "at most 500]")
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=D["batch_tokens"].default,
+              help="Rule: tokens per optimiser step once the data is large.")
+@click.option("--min-steps", type=click.IntRange(min=1), default=D["min_steps"].default,
+              help="Rule: floor on optimiser steps for small data (as far as --max-epochs allows).")
+@click.option("--max-epochs", type=click.IntRange(min=1), default=D["max_epochs"].default,
+              help="Rule: most passes over small data.")
+@click.option("--token-budget", type=click.IntRange(min=1), default=D["token_budget"].default,
+              help="Rule: tokens trained on when the data is large (at least one pass).")
+@click.option("--val-samples", type=click.IntRange(min=0), default=None,
+              help="Samples held out of the hidden dataset (by sample id) to validate on; 0: none. "
+                   "[default: 1 in 20, at least 32 (an eighth of a small dataset), at most 1000]")
+@click.option("--eval-every", type=click.IntRange(min=1), default=None,
+              help="Optimiser steps between validations. [default: 20 validations over the run]")
+@click.option("--patience", type=click.IntRange(min=0), default=D["patience"].default,
+              help="Stop after this many validations without improvement; 0: never stop early. The best "
+                   "validated draft is the one exported.")
 @click.option("--weight-decay", type=click.FloatRange(min=0), default=D["weight_decay"].default, help="AdamW weight decay.")
 @click.option("--grad-clip", type=click.FloatRange(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,

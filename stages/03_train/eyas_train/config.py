@@ -14,11 +14,20 @@ class TrainConfig:
     draft_vocab: int = 32000        # draft vocabulary: most frequent loss-masked tokens (capped at the target's)
     ttt_steps: int = 7              # unrolled draft steps per sample (training-time test)
     step_decay: float = 0.8         # loss weight of step k is step_decay**k
-    epochs: int = 10                # passes over the hidden dataset
-    batch_size: int = 16            # samples per optimiser step, over all processes
+    # None below: resolved from the data by recipe.py (the rule and its evidence: stages/03_train/README.md);
+    # the resolved values are in the draft's manifest (params.recipe).
+    epochs: float | None = None     # passes over the training samples; 0 exports the untrained draft
+    batch_size: int | None = None   # samples per optimiser step, over all processes
     max_len: int = 2048             # rows kept per sample (longer samples are cut at the end)
-    lr: float = 1e-4                # AdamW peak learning rate (the fixture recipe uses 3e-3 with batch 4)
-    warmup: float = 0.03            # share of the steps with a linear warm-up, then cosine decay to 0
+    lr: float | None = None         # AdamW peak learning rate
+    warmup_steps: int | None = None  # optimiser steps of linear warm-up, then cosine decay to 0
+    batch_tokens: int = 16384       # rule: tokens per optimiser step once the data is large enough
+    min_steps: int = 2000           # rule: floor on optimiser steps (small data), as far as max_epochs allows
+    max_epochs: int = 20            # rule: most passes over small data
+    token_budget: int = 1_000_000_000  # rule: tokens trained on when the data is large (>= one pass)
+    val_samples: int | None = None  # held out of the hidden dataset by sample id; 0: no validation
+    eval_every: int | None = None   # optimiser steps between validations (default: 20 over the run)
+    patience: int = 5               # stop after this many validations without a better one; 0: never stop early
     weight_decay: float = 0.0
     grad_clip: float = 0.5          # max global gradient norm
     norm_before_residual: bool = False  # False: residual = fused hidden (EAGLE-3, SGLang); written to config.json
@@ -36,7 +45,7 @@ class TrainConfig:
         return asdict(self)
 
     # What may change between a run and its resumption without changing the result.
-    RESUMABLE_CHANGES = ("ckpt_every", "keep_ckpts", "log_every")
+    RESUMABLE_CHANGES = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code")
 
     def differences(self, other: dict[str, Any]) -> list[str]:
         mine = self.to_dict()

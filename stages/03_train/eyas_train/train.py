@@ -5,13 +5,13 @@ drafts/NAME/ and its files are described in eyas_common.drafts, the format's own
 
 from __future__ import annotations
 
-import json
-import math
 import os
 import random
 import sys
 import time
+from collections.abc import Iterator
 from contextlib import nullcontext
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,21 +21,23 @@ from tqdm import tqdm
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, add_producer, check_target, finalize,
                                   fsync_dir, input_ref, iter_jsonl, new_manifest, open_input)
-from eyas_common.drafts import CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
+from eyas_common.drafts import BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
+from eyas_common.hidden import HiddenShards
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import TrainConfig
-from eyas_common.hidden import HiddenShards
 from eyas_train.data import global_batches, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
+from eyas_train.recipe import Recipe, lr_lambda, predicted_acceptance, resolve, split_by_sample, val_count
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight, text_config
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
+PREDICT_SPEC_TOKENS = 3  # the acceptance length printed at the end is predicted for this many draft tokens
 
 
 def say(msg: str) -> None:
@@ -69,18 +71,6 @@ def draft_config(target: dict[str, Any], hidden_size: int, vocab_size: int, n_au
     )
 
 
-def lr_lambda(total: int, warmup: float):
-    """Linear warm-up over `warmup` of the steps, then cosine decay to 0 at `total`."""
-    w = max(1, int(total * warmup))
-
-    def f(step: int) -> float:
-        if step < w:
-            return (step + 1) / w
-        return 0.5 * (1 + math.cos(math.pi * min(1.0, (step - w) / max(1, total - w))))
-
-    return f
-
-
 # ------------------------------------------------------------------------------------------------
 # checkpoints
 
@@ -91,18 +81,21 @@ def checkpoints(folder: Path) -> list[Path]:
 
 def save_checkpoint(folder: Path, payload: dict[str, Any], keep: int) -> Path:
     """torch.save to a temp file, fsync, rename; then drop all but the newest `keep`."""
-    d = folder / CKPT_DIR
-    d.mkdir(parents=True, exist_ok=True)
-    path = d / checkpoint_name(payload["step"])
-    tmp = d / f".{path.name}.tmp-{os.getpid()}"
+    path = _save_atomic(folder / CKPT_DIR / checkpoint_name(payload["step"]), payload)
+    for old in checkpoints(folder)[:-keep]:
+        old.unlink()
+    return path
+
+
+def _save_atomic(path: Path, payload: dict[str, Any]) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     with open(tmp, "wb") as f:
         torch.save(payload, f)
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
-    fsync_dir(d)
-    for old in checkpoints(folder)[:-keep]:
-        old.unlink()
+    fsync_dir(path.parent)
     return path
 
 
@@ -165,9 +158,64 @@ def _lineage(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> list[dict[str, str
     return [input_ref(hidden_ds)] + [i for i in hidden_m.get("inputs", []) if isinstance(i, dict)]
 
 
+@dataclass
+class RunState:
+    """One training run from set-up to export: its inputs, the resolved recipe, the model and optimiser,
+    and where it stands (step, training time, best validation so far)."""
+    cfg: TrainConfig
+    d: parallel.Dist
+    out: Dataset
+    shards: HiddenShards
+    recipe: Recipe
+    train_idx: list[int]
+    val_idx: list[int]
+    lengths: list[int]            # kept rows per sample, all samples
+    vocab: VocabMap
+    dcfg: DraftConfig
+    aux_layers: list[int]
+    target: dict[str, Any]
+    teacher: Teacher
+    module: torch.nn.Module
+    opt: torch.optim.Optimizer
+    sched: Any
+    start: int = 0                # the step this session starts at
+    step: int = 0                 # optimiser steps done
+    train_s: float = 0.0          # loop time summed over all sessions of the run
+    best: dict[str, Any] = field(default_factory=lambda: {"step": None, "score": None, "stale": 0, "val": None})
+    last: dict[str, Any] | None = None  # the newest training log record
+
+    @property
+    def trainable(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.module.parameters() if p.requires_grad]
+
+
 def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_change: bool = False) -> Path:
     t_start = time.monotonic()
     hidden_ds, hidden_m, fingerprint, out = _open(cfg, data_root)
+    s = _setup(cfg, d, hidden_ds, hidden_m, out, data_root)
+    run_params = {"config": cfg.to_dict(), "recipe": s.recipe.to_dict(), "draft": s.dcfg.__dict__,
+                  "aux_layers": s.aux_layers, "world": d.world, "teacher": s.shards.teacher,
+                  "steps_per_epoch": s.recipe.steps_per_epoch, "total_steps": s.recipe.total_steps}
+    if d.main:
+        _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, s.start,
+                        allow_code_change)
+        r = s.recipe
+        say(f"{r.train_samples} training samples (+{r.val_samples} held out for validation), {r.tokens_per_sample:.0f} "
+            f"tokens each: batch {r.batch_size}, {r.steps_per_epoch} steps/epoch x {r.epochs:g} epochs = "
+            f"{r.total_steps} steps, peak lr {r.lr:.2g}, warm-up {r.warmup_steps} steps, on {d.world} "
+            f"process(es), {d.device}; draft vocab {s.vocab.d2t.numel()} of {s.dcfg.vocab_size} covers "
+            f"{s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct)"
+            + (f"; resuming at step {s.start}" if s.start else ""))
+    parallel.barrier(d)
+    _train(s)
+    _finish(s, t_start)
+    parallel.barrier(d)
+    return out.path
+
+
+def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[str, Any], out: Dataset,
+           data_root: Path | None) -> RunState:
+    """Read the hidden dataset, resolve the recipe, build the draft and its optimiser, resume a checkpoint."""
     params = hidden_m["params"]
     target = text_config(cfg.model)
     hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
@@ -177,30 +225,76 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
     if width != len(aux_layers) * hidden_size:
         raise DatasetError(f"{hidden_ds.ref}: aux rows are {width} wide, but the manifest says {len(aux_layers)} "
                            f"layers of {hidden_size}; rerun {REMAKE['hidden']}")
-    if cfg.batch_size % d.world:
+    if cfg.batch_size is not None and cfg.batch_size % d.world:
         raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the {d.world} processes")
+    lengths = [min(x.length, cfg.max_len) for x in shards.samples]
+    try:
+        n_val = val_count(len(shards), cfg.val_samples, d.world)
+        train_idx, val_idx = split_by_sample([x.sample_id for x in shards.samples], n_val, cfg.seed)
+        recipe = resolve(cfg, lengths=[lengths[i] for i in train_idx], n_val=n_val, width=hidden_size,
+                         world=d.world)
+    except ValueError as e:
+        raise DatasetError(f"{hidden_ds.ref}: {e}") from None
 
-    found = checkpoints(out.path)
-    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False) if found else None
-    if ckpt is not None:
-        changed = cfg.differences(ckpt["config"])
-        if changed:
-            raise DatasetError(f"{out.ref} has a checkpoint at step {ckpt['step']} made with other settings "
-                               f"({'; '.join(changed)}): rerun with the same settings to resume, or delete it "
-                               f"with `eyas-data rm {out.ref}`")
-        vocab = vocab_from(ckpt["vocab"])
+    ckpt = _latest_checkpoint(out, cfg)
     init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft else None
+    vocab, dcfg = _vocab_and_config(cfg, d, ckpt, init, shards, target, hidden_size, vocab_size, aux_layers)
+    draft, lm_head = _new_draft(cfg, dcfg, vocab)
+    if init is not None:
+        load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
+    teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
+    module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
+    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=recipe.lr, betas=(0.9, 0.95),
+                            weight_decay=cfg.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.total_steps, recipe.warmup_steps))
+    s = RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers, target,
+                 teacher, module, opt, sched)
+    if ckpt is not None:
+        parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"])
+        sched.load_state_dict(ckpt["sched"])
+        set_rng_state(ckpt["rng"])
+        s.start = s.step = ckpt["step"]
+        s.train_s, s.best = ckpt["train_s"], ckpt.get("best", s.best)
+    return s
+
+
+def _latest_checkpoint(out: Dataset, cfg: TrainConfig) -> dict[str, Any] | None:
+    """The newest checkpoint of drafts/NAME, refused when it was made with other settings."""
+    found = checkpoints(out.path)
+    if not found:
+        return None
+    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)
+    changed = cfg.differences(ckpt["config"])
+    if changed:
+        raise DatasetError(f"{out.ref} has a checkpoint at step {ckpt['step']} made with other settings "
+                           f"({'; '.join(changed)}): rerun with the same settings to resume, or delete it "
+                           f"with `eyas-data rm {out.ref}`")
+    return ckpt
+
+
+def _vocab_and_config(cfg: TrainConfig, d: parallel.Dist, ckpt: dict[str, Any] | None, init: Any,
+                      shards: HiddenShards, target: dict[str, Any], hidden_size: int, vocab_size: int,
+                      aux_layers: list[int]) -> tuple[VocabMap, DraftConfig]:
+    """The draft vocabulary (a checkpoint's, --init-draft's, or the data's most frequent tokens) and shape."""
     if init is not None:
         check_fits(init, vocab_size=vocab_size, hidden_size=hidden_size, aux_layers=aux_layers)
-        if ckpt is None:
-            vocab, report = init_vocab(init, token_counts(shards, vocab_size), cfg.init_vocab, cfg.draft_vocab)
-            if d.main:
-                say(f"--init-draft {init.source} ({init.layout} layout): {report}")
-    elif ckpt is None:
+    if ckpt is not None:
+        vocab = vocab_from(ckpt["vocab"])
+    elif init is not None:
+        vocab, report = init_vocab(init, token_counts(shards, vocab_size), cfg.init_vocab, cfg.draft_vocab)
+        if d.main:
+            say(f"--init-draft {init.source} ({init.layout} layout): {report}")
+    else:
         vocab = build_vocab(token_counts(shards, vocab_size), cfg.draft_vocab)
-    dcfg = (run_config(init, vocab) if init is not None else
-            draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(), cfg.norm_before_residual))
+    if init is not None:
+        return vocab, run_config(init, vocab)
+    return vocab, draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(),
+                               cfg.norm_before_residual)
 
+
+def _new_draft(cfg: TrainConfig, dcfg: DraftConfig, vocab: VocabMap) -> tuple[Eagle3Draft, torch.Tensor]:
+    """A seeded draft with the target's embedding, and its final norm and lm_head rows as the output end
+    (the layer then only has to produce a state like the target's last residual stream)."""
     torch.manual_seed(cfg.seed)
     draft = Eagle3Draft(dcfg)
     draft.init_weights(cfg.seed)
@@ -209,100 +303,150 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
         draft.embed.weight.copy_(load_embedding(cfg.model))
         draft.d2t.copy_(vocab.d2t)
         draft.t2d.copy_(vocab.t2d)
-        # The output end starts as the target's own (its final norm, its lm_head rows of the draft vocab):
-        # the layer then only has to produce a state like the target's last residual stream.
         draft.norm.weight.copy_(load_weight(cfg.model, "model.norm.weight"))
         draft.lm_head.weight.copy_(lm_head[vocab.draft_to_target])
-    if init is not None:
-        load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
-    teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
-    module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
-    trainable = [p for p in module.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(trainable, lr=cfg.lr, betas=(0.9, 0.95), weight_decay=cfg.weight_decay)
+    return draft, lm_head
 
-    lengths = [min(s.length, cfg.max_len) for s in shards.samples]
-    per_epoch = len(shards) // cfg.batch_size
-    if per_epoch == 0:
-        raise DatasetError(f"{hidden_ds.ref} has {len(shards)} samples, fewer than one batch of {cfg.batch_size}")
-    total = cfg.epochs * per_epoch
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(total, cfg.warmup))
 
-    start, train_s = 0, 0.0  # train_s: loop time summed over all sessions of the run
-    if ckpt is not None:
-        parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"])
-        sched.load_state_dict(ckpt["sched"])
-        set_rng_state(ckpt["rng"])
-        start, train_s = ckpt["step"], ckpt["train_s"]
-    run_params = {"config": cfg.to_dict(), "draft": dcfg.__dict__, "aux_layers": aux_layers, "world": d.world,
-                  "teacher": shards.teacher, "steps_per_epoch": per_epoch, "total_steps": total}
-    if d.main:
-        _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, start, allow_code_change)
-        say(f"{len(shards)} samples, {per_epoch} steps/epoch x {cfg.epochs} epochs = {total} steps on "
-            f"{d.world} process(es), {d.device}; draft vocab {vocab.d2t.numel()} of {vocab_size} covers "
-            f"{vocab.coverage:.2%} of masked tokens ({vocab.distinct} distinct)"
-            + (f"; resuming at step {start}" if start else ""))
-    parallel.barrier(d)
+def _plan(s: RunState) -> Iterator[list[int]]:
+    """This rank's samples for every remaining step: epoch e's seeded batches of the training slice."""
+    r = s.recipe
+    for step in range(s.start, r.total_steps):
+        epoch, b = divmod(step, r.steps_per_epoch)
+        batch = global_batches(r.train_samples, r.batch_size, s.cfg.seed, epoch)[b]
+        yield rank_share([s.train_idx[i] for i in batch], s.lengths, s.d.rank, s.d.world)
 
-    def plan():
-        for step in range(start, total):
-            epoch, b = divmod(step, per_epoch)
-            yield rank_share(global_batches(len(shards), cfg.batch_size, cfg.seed, epoch)[b], lengths, d.rank, d.world)
 
-    bf16 = cfg.precision == "bf16" or (cfg.precision == "auto" and d.device.type == "cuda")
-    autocast = torch.autocast(d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
+def _forward(s: RunState, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unrolled loss of one global batch (this rank's share) and its per-step stats [steps, 3]."""
+    batch = {k: v.to(s.d.device, non_blocking=True) for k, v in batch.items()}
+    target_p, target_top = s.teacher(batch)
+    mask = batch["loss_mask"]
+    denom = parallel.all_sum(step_counts(mask, s.cfg.ttt_steps), s.d)
+    bf16 = s.cfg.precision == "bf16" or (s.cfg.precision == "auto" and s.d.device.type == "cuda")
+    with torch.autocast(s.d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
+        return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom)
+
+
+def _train(s: RunState) -> None:
+    """The optimiser loop: log, validate (and stop early) and checkpoint on their schedules."""
+    cfg, d, total = s.cfg, s.d, s.recipe.total_steps
     window = torch.zeros(cfg.ttt_steps, 3, device=d.device)  # per step: loss sum, hits, counted rows
-    tokens, t_window, last = 0, time.monotonic(), None
-    log = JsonlAppender(out.path / LOG_FILE, sync_every=1) if d.main else None
-    bar = tqdm(total=total, initial=start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
-    module.train()
+    tokens, t_window = 0, time.monotonic()
+    log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
+    bar = tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
+    s.module.train()
     t_loop = time.monotonic()
-    for step, batch in enumerate(prefetch(shards, plan(), cfg.max_len), start=start):
+    for batch in prefetch(s.shards, _plan(s), cfg.max_len):
         tokens += int(batch["length"].sum())
-        batch = {k: v.to(d.device, non_blocking=True) for k, v in batch.items()}
-        target_p, target_top = teacher(batch)
-        mask = batch["loss_mask"]
-        denom = parallel.all_sum(step_counts(mask, cfg.ttt_steps), d)
-        with autocast:
-            loss, stats = module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom)
+        loss, stats = _forward(s, batch)
         # DDP/FSDP average gradients over ranks; the loss is already a global-batch mean, so undo the average.
         (loss * d.world).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(trainable, cfg.grad_clip)
-        opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        gnorm = torch.nn.utils.clip_grad_norm_(s.trainable, cfg.grad_clip)
+        s.opt.step()
+        s.sched.step()
+        s.opt.zero_grad(set_to_none=True)
         window += stats
         bar.update(1)
-        done = step + 1
-        if done % cfg.log_every == 0 or done == total:
-            last = _log_record(window, tokens, t_window, done, total, per_epoch, sched, gnorm, cfg.step_decay, d)
-            if d.main:
-                log.write(last)
-                bar.set_postfix_str(_short(last))
-                say(f"step {done}/{total} " + _short(last) + f" {last['tokens_per_s']:.0f} tok/s")
+        s.step += 1
+        if s.step % cfg.log_every == 0 or s.step == total:
+            s.last = _log_record(window, tokens, t_window, s.step, total, s.recipe.steps_per_epoch, s.sched, gnorm,
+                                 cfg.step_decay, d)
+            _write_log(s, log, s.last, bar)
             window.zero_()
             tokens, t_window = 0, time.monotonic()
-        if done % cfg.ckpt_every == 0 or done == total:
-            _checkpoint(out, module, opt, sched, cfg, vocab, done, per_epoch,
-                        train_s + time.monotonic() - t_loop, d)
+        stop = _maybe_validate(s, log, bar)
+        if stop or s.step % cfg.ckpt_every == 0 or s.step == total:
+            _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
+        if stop:
+            break
     bar.close()
-    train_s += time.monotonic() - t_loop
-
-    model_sd, _ = parallel.state_dicts(module, opt)
-    if d.main:
+    s.train_s += time.monotonic() - t_loop
+    if log is not None:
         log.close()
-        state = {k.removeprefix("draft."): v for k, v in model_sd.items()}
-        write_draft(out.path, state, dcfg, aux_layers, target)
-        plot_log(out.path / LOG_FILE, out.path / PLOT_FILE)
-        m = out.read_manifest()
-        finalize(out, m, stats={
-            "steps": total, "train_s": round(train_s, 1), "wall_s": round(time.monotonic() - t_start, 1),
-            "vocab_coverage": vocab.coverage, "distinct_tokens": vocab.distinct,
-            "draft_vocab": vocab.d2t.numel(), "final": last or _last_record(out.path / LOG_FILE)},
-            records={LOG_FILE: total // cfg.log_every + (total % cfg.log_every > 0)})
-        say(f"wrote {out.path}: {train_s:.0f}s of training over all sessions, "
-            f"{time.monotonic() - t_start:.0f}s in this one")
-    parallel.barrier(d)
-    return out.path
+
+
+def _write_log(s: RunState, log: JsonlAppender | None, record: dict[str, Any], bar: tqdm) -> None:
+    if s.d.main:
+        log.write(record)
+        short = _short(record) if "loss" in record else _short_val(record)
+        bar.set_postfix_str(short)
+        say(f"step {record['step']}/{s.recipe.total_steps} " + short
+            + (f" {record['tokens_per_s']:.0f} tok/s" if "tokens_per_s" in record else ""))
+
+
+def _maybe_validate(s: RunState, log: JsonlAppender | None, bar: tqdm) -> bool:
+    """Validate on schedule (and at the last step); keep the best draft; True when training should stop."""
+    every = s.recipe.eval_every
+    if not every or (s.step % every and s.step != s.recipe.total_steps):
+        return False
+    record = _validate(s)
+    _write_log(s, log, record, bar)
+    b = s.best
+    if b["score"] is None or record["val_predicted"][-1] > b["score"] + 1e-3:
+        b.update(step=s.step, score=record["val_predicted"][-1], stale=0, val=record)
+        model_sd, _ = parallel.state_dicts(s.module, s.opt)
+        if s.d.main:
+            _save_atomic(s.out.path / CKPT_DIR / BEST_FILE, {"step": s.step, "model": model_sd, "val": record})
+    else:
+        b["stale"] += 1
+    if s.cfg.patience and b["stale"] >= s.cfg.patience and s.step < s.recipe.total_steps:
+        if s.d.main:
+            say(f"stopping early at step {s.step}: no better validation in {b['stale']} evaluations "
+                f"(best at step {b['step']}; --patience {s.cfg.patience})")
+        return True
+    return False
+
+
+@torch.no_grad()
+def _validate(s: RunState) -> dict[str, Any]:
+    """Per-step TTT loss and top-1 accuracy on the validation slice (every rank a share of each batch), and
+    the acceptance length they predict for 1..ttt_steps speculative tokens."""
+    s.module.eval()
+    bs = s.recipe.batch_size
+    chunks = (s.val_idx[i:i + bs] for i in range(0, len(s.val_idx), bs))
+    plan = (rank_share(c, s.lengths, s.d.rank, s.d.world) for c in chunks)
+    window = torch.zeros(s.cfg.ttt_steps, 3, device=s.d.device)
+    for batch in prefetch(s.shards, plan, s.cfg.max_len):
+        window += _forward(s, batch)[1]
+    s.module.train()
+    w = parallel.all_sum(window, s.d).cpu()
+    counted = w[:, 2].clamp(min=1)
+    acc = (w[:, 1] / counted).tolist()
+    return {"step": s.step, "val_loss": round(sum(s.cfg.step_decay**k * v for k, v in
+                                                  enumerate((w[:, 0] / counted).tolist())), 5),
+            "val_step_acc": [round(a, 5) for a in acc],
+            "val_predicted": [round(predicted_acceptance(acc, k), 4) for k in range(1, len(acc) + 1)]}
+
+
+def _finish(s: RunState, t_start: float) -> None:
+    """Export the best validated draft (or the last one without validation), plot, and complete the manifest."""
+    use_best = s.best["step"] is not None  # the same on every rank; only the main one reads the file
+    model_sd = None if use_best else parallel.state_dicts(s.module, s.opt)[0]  # collective under FSDP
+    if not s.d.main:
+        return
+    if use_best:
+        model_sd = torch.load(s.out.path / CKPT_DIR / BEST_FILE, map_location="cpu", weights_only=False)["model"]
+    write_draft(s.out.path, {k.removeprefix("draft."): v for k, v in model_sd.items()}, s.dcfg, s.aux_layers,
+                s.target)
+    plot_log(s.out.path / LOG_FILE, s.out.path / PLOT_FILE)
+    val = s.best["val"]
+    stats = {"steps": s.step, "train_s": round(s.train_s, 1), "wall_s": round(time.monotonic() - t_start, 1),
+             "exported_step": s.best["step"] if use_best else s.step,
+             "stopped_early": s.step < s.recipe.total_steps, "vocab_coverage": s.vocab.coverage,
+             "distinct_tokens": s.vocab.distinct, "draft_vocab": s.vocab.d2t.numel(),
+             "final": s.last or _last_record(s.out.path / LOG_FILE), "val": val,
+             "predicted_acceptance": val and dict(zip(map(str, range(1, len(val["val_predicted"]) + 1)),
+                                                      val["val_predicted"]))}
+    log_records = sum(1 for _ in iter_jsonl(s.out.path / LOG_FILE)) if (s.out.path / LOG_FILE).exists() else 0
+    finalize(s.out, s.out.read_manifest(), stats=stats, records={LOG_FILE: log_records})
+    say(f"wrote {s.out.path}: {s.train_s:.0f}s of training over all sessions, "
+        f"{time.monotonic() - t_start:.0f}s in this one")
+    if val:
+        k = min(PREDICT_SPEC_TOKENS, len(val["val_predicted"]))
+        say(f"validation at step {s.best['step']}: accuracy per step " + "/".join(f"{a:.2f}" for a in
+            val["val_step_acc"]) + f"; predicted acceptance length at {k} speculative tokens "
+            f"{val['val_predicted'][k - 1]:.2f} (`eyas-train eval` measures it)")
 
 
 def _prepare_folder(out: Dataset, cfg: TrainConfig, fingerprint: dict[str, Any], inputs: list[dict[str, str]],
@@ -348,24 +492,29 @@ def _short(r: dict[str, Any]) -> str:
     return f"loss {r['loss']:.3f} acc " + "/".join(f"{a:.2f}" for a in r["step_acc"])
 
 
+def _short_val(r: dict[str, Any]) -> str:
+    return (f"validation loss {r['val_loss']:.3f} acc " + "/".join(f"{a:.2f}" for a in r["val_step_acc"])
+            + f" predicted acceptance {r['val_predicted'][-1]:.2f}")
+
+
 def _last_record(log: Path) -> dict[str, Any] | None:
     last = None
     for _, r in iter_jsonl(log):
-        last = r
+        last = r if "loss" in r else last
     return last
 
 
-def _checkpoint(out: Dataset, module: torch.nn.Module, opt: torch.optim.Optimizer, sched: Any, cfg: TrainConfig,
-                vocab: VocabMap, step: int, per_epoch: int, train_s: float, d: parallel.Dist) -> None:
-    model_sd, opt_sd = parallel.state_dicts(module, opt)  # collective under FSDP: every rank takes part
-    if d.main:
-        epoch, batch = divmod(step, per_epoch)
-        save_checkpoint(out.path, {
-            "step": step, "epoch": epoch, "batch_in_epoch": batch, "train_s": train_s, "config": cfg.to_dict(),
-            "model": model_sd, "optim": opt_sd, "sched": sched.state_dict(), "rng": rng_state(),
-            "vocab": {"d2t": vocab.d2t, "t2d": vocab.t2d, "coverage": vocab.coverage, "distinct": vocab.distinct},
-        }, cfg.keep_ckpts)
-    parallel.barrier(d)
+def _checkpoint(s: RunState, *, train_s: float) -> None:
+    model_sd, opt_sd = parallel.state_dicts(s.module, s.opt)  # collective under FSDP: every rank takes part
+    if s.d.main:
+        v = s.vocab
+        epoch, batch = divmod(s.step, s.recipe.steps_per_epoch)
+        save_checkpoint(s.out.path, {
+            "step": s.step, "epoch": epoch, "batch_in_epoch": batch, "train_s": train_s, "config": s.cfg.to_dict(),
+            "model": model_sd, "optim": opt_sd, "sched": s.sched.state_dict(), "rng": rng_state(), "best": s.best,
+            "vocab": {"d2t": v.d2t, "t2d": v.t2d, "coverage": v.coverage, "distinct": v.distinct},
+        }, s.cfg.keep_ckpts)
+    parallel.barrier(s.d)
 
 
 def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None,

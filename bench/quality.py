@@ -1,0 +1,156 @@
+"""Draft quality with `eyas-train run`'s defaults against the best hand recipe, measured in real vLLM.
+
+For each tiny thinking target and data size:
+  1. synth N answers of the target through vLLM (CPU) to training prompts (eyas-synth);
+  2. extract its hidden states (eyas-extract, hf);
+  3. train one draft with the defaults (the recipe resolved from the data) and one with the hand recipe;
+  4. serve target + draft in vLLM at 3 speculative tokens and answer held-out prompts (problems of the
+     fixture's held-out split: neither training nor the rule ever saw them); read the acceptance length
+     from vLLM's spec-decode counters.
+Targets: `llama` (fixture.py: Kimi-style template that opens `<think>` in the prompt, 8 layers, vocab 3000)
+and `qwen3` (fixture_qwen3.py: Qwen3 architecture that emits `<think>` itself, 10 layers, vocab 4000).
+It prints one row per target x size: acceptance with the defaults and with the hand recipe, their ratio,
+the acceptance `eyas-train run` predicted from its validation slice against vLLM's, and training times.
+
+    .venv/bin/python bench/quality.py --quick                   # llama, 250 samples (fits CI)
+    .venv/bin/python bench/quality.py                           # llama + qwen3 x 250 / 1000 / 4000
+    .venv/bin/python bench/quality.py --targets qwen3 --sizes 250,1000
+
+Datasets and results go under $EYAS_DATA (default ./data/bench-quality); a rerun reuses every finished
+dataset, draft and measurement, so an interrupted run continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from eyas_common.contract import Dataset, write_json_atomic
+from eyas_common.fixture import build_fixture, write_prompts_jsonl
+from eyas_common.fixture_qwen3 import build_qwen3_fixture
+from eyas_common.servers import running_vllm
+from eyas_serve.acceptance import vllm_acceptance
+
+ROOT = Path(__file__).resolve().parents[1]
+SPEC_TOKENS, HELDOUT = 3, 40
+# target name -> (builder, vLLM reasoning parser for synth)
+TARGETS = {"llama": (build_fixture, "kimi_k2"), "qwen3": (build_qwen3_fixture, "qwen3")}
+# The best hand recipe found on the Llama fixture (stages/03_train/README.md): all samples, no validation.
+HAND = dict(epochs=20, batch_size=4, lr=3e-3, draft_vocab=1024, val_samples=0)
+RECIPES: dict[str, dict[str, Any]] = {"defaults": {}, "hand": HAND}
+QUIET = dict(log_every=100, ckpt_every=1000)
+
+
+def say(msg: str) -> None:
+    print(f"[bench-quality] {msg}", file=sys.stderr, flush=True)
+
+
+def synth_all(root: Path, target: str, model: Path, sizes: list[int]) -> None:
+    """One vLLM server for the target answers every size's training prompts (datasets synth/T_N)."""
+    from eyas_synth.run import run as synth
+
+    todo = [n for n in sizes if not _complete(root, f"{target}_{n}", "synth")]
+    if not todo:
+        return
+    with running_vllm(model, log_path=root / "logs" / f"synth_{target}.log", timeout_s=900,
+                      extra_args=["--reasoning-parser", TARGETS[target][1]]) as server:
+        for n in todo:
+            prompts = write_prompts_jsonl(root / "prompts" / f"train_{n}.jsonl", n, seed=0, split="train")
+            say(f"{target}: synth {n} samples")
+            synth(prompts=prompts, name=f"{target}_{n}", model=model, servers=[server.url], n=n, max_tokens=256,
+                  temperature=0.0, concurrency=32, data_root=root, progress=False)
+
+
+def _complete(root: Path, name: str, kind: str) -> bool:
+    ds = Dataset.parse(name, kind, root)
+    return ds.exists() and ds.read_manifest().get("status") == "complete"
+
+
+def train_one(root: Path, target: str, model: Path, n: int, recipe: str) -> Path:
+    from eyas_extract.run import run as extract
+    from eyas_train.train import run as train
+
+    name = f"{target}_{n}"
+    if not _complete(root, name, "hidden"):
+        say(f"{name}: extract")
+        extract(synth=f"synth/{name}", model=model, name=name, data_root=root, progress=False)
+    draft = f"{name}_{recipe}"
+    if not _complete(root, draft, "drafts"):
+        say(f"{draft}: train")
+        train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, **RECIPES[recipe], **QUIET)
+    return Dataset.parse(draft, "drafts", root).path
+
+
+def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path) -> dict[str, Any]:
+    """One cell's result for one recipe (cached in results/T_N_RECIPE.json)."""
+    out = root / "results" / f"{target}_{n}_{recipe}.json"
+    if out.exists():
+        return json.loads(out.read_text())
+    draft = train_one(root, target, model, n, recipe)
+    say(f"{target}_{n}_{recipe}: vLLM acceptance on {HELDOUT} held-out prompts")
+    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{target}_{n}_{recipe}.log",
+                          spec_tokens=SPEC_TOKENS)
+    m = json.loads((draft / "manifest.json").read_text())
+    predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(SPEC_TOKENS))
+    result = {"target": target, "samples": n, "recipe": recipe, "vllm": acc, "predicted": predicted,
+              "train_s": m["stats"]["train_s"], "steps": m["stats"]["steps"], "resolved": m["params"]["recipe"]}
+    write_json_atomic(out, result)
+    return result
+
+
+def table(rows: list[dict[str, dict[str, Any]]]) -> str:
+    head = ("| target | samples | defaults | best hand | ratio | predicted (defaults) | train s defaults / hand "
+            "| defaults resolved to |\n|---|---|---|---|---|---|---|---|")
+    lines = [head]
+    for r in rows:
+        d, h = r.get("defaults"), r.get("hand")
+        ad = d and d["vllm"]["acceptance_length"]
+        ah = h and h["vllm"]["acceptance_length"]
+        cell = d or h
+        res = d and d["resolved"]
+        lines.append(
+            f"| {cell['target']} | {cell['samples']} | {_f(ad)} | {_f(ah)} | {_f(ad / ah if ad and ah else None, 3)} "
+            f"| {_f(d and d['predicted'])} vs {_f(ad)} | {_f(d and d['train_s'], 0)} / {_f(h and h['train_s'], 0)} "
+            f"| {'batch %d, lr %.2g, %d steps' % (res['batch_size'], res['lr'], res['total_steps']) if res else '-'} |")
+    return "\n".join(lines)
+
+
+def _f(x: float | None, digits: int = 2) -> str:
+    return "-" if x is None else f"{x:.{digits}f}"
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one target, one size: llama x 250 (CI)")
+    p.add_argument("--targets", default="llama,qwen3", help="comma-separated: llama, qwen3")
+    p.add_argument("--sizes", default="250,1000,4000", help="comma-separated sample counts")
+    p.add_argument("--recipes", default="defaults,hand", help="comma-separated: defaults, hand")
+    a = p.parse_args()
+    targets = ["llama"] if a.quick else a.targets.split(",")
+    sizes = [250] if a.quick else [int(x) for x in a.sizes.split(",")]
+    recipes = a.recipes.split(",")
+    bad = [t for t in targets if t not in TARGETS] + [r for r in recipes if r not in RECIPES]
+    if bad or any(n < 20 for n in sizes):
+        sys.exit(f"bench/quality.py: unknown target or recipe {bad} (targets {list(TARGETS)}, recipes "
+                 f"{list(RECIPES)}), or a size under 20 samples in --sizes {a.sizes}")
+    root = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "bench-quality"))
+    heldout = write_prompts_jsonl(root / "prompts" / "heldout.jsonl", HELDOUT, seed=11)
+    t0 = time.monotonic()
+    rows = []
+    for target in targets:
+        model = TARGETS[target][0]()
+        synth_all(root, target, model, sizes)
+        for n in sorted(sizes):
+            rows.append({r: measure(root, target, model, n, r, heldout) for r in recipes})
+            print(table(rows), flush=True)
+    print(f"\nvLLM {SPEC_TOKENS} speculative tokens, {HELDOUT} held-out prompts, greedy; hand recipe: {HAND}; "
+          f"{time.monotonic() - t0:.0f} s; data under {root}")
+
+
+if __name__ == "__main__":
+    main()
