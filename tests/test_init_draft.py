@@ -32,7 +32,9 @@ def trained(fixture_target, tmp_path_factory):
 
 
 def log(root: Path, name: str) -> list[dict]:
-    return [json.loads(line) for line in (root / "drafts" / name / "train_log.jsonl").read_text().splitlines()]
+    """The training records of a draft's log (validation records left out)."""
+    records = (json.loads(line) for line in (root / "drafts" / name / "train_log.jsonl").read_text().splitlines())
+    return [r for r in records if "step_acc" in r]
 
 
 def as_speculators(src: Path, dst: Path, target: Path) -> Path:

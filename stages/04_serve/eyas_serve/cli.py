@@ -8,12 +8,13 @@ from pathlib import Path
 
 import click
 
+from eyas_common.cli_errors import EyasGroup
 from eyas_serve.config import ENGINES, LaunchConfig
 
 L = LaunchConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
+@click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Stage 04: target + drafts/NAME on vLLM or SGLang -> bench/NAME (acceptance, tokens/s, speedup)."""
 
