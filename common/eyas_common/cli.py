@@ -50,11 +50,16 @@ def verify_cmd(ref: str) -> None:
 @main.command()
 @click.argument("ref")
 @click.option("--yes", is_flag=True, help="Delete without asking.")
-def rm(ref: str, yes: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="Only say what would be deleted (after the same checks).")
+def rm(ref: str, yes: bool, dry_run: bool) -> None:
     """Delete dataset REF (refuses anything outside the data root)."""
     ds = Dataset.parse(ref)
     if not ds.path.exists():
         raise DatasetError(f"{ds.ref}: nothing at {ds.path}")
+    if dry_run:
+        target = remove(ds, dry_run=True)
+        click.echo(f"would delete {target} ({folder_bytes(target) / 1e6:.1f} MB); nothing deleted (dry run)")
+        return
     if not yes:
         click.confirm(f"delete {ds.path} ({folder_bytes(ds.path) / 1e6:.1f} MB)?", abort=True)
     remove(ds)

@@ -397,13 +397,16 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
     return out
 
 
-def remove(ds: Dataset) -> None:
-    """Delete a dataset folder, refusing anything that resolves outside the data root."""
+def remove(ds: Dataset, *, dry_run: bool = False) -> Path:
+    """Delete a dataset folder (only check it when `dry_run`), refusing anything that resolves outside
+    the data root; returns the folder."""
     root = ds.root.resolve()
     target = ds.path.resolve()
     if root not in target.parents or target.parent.parent != root:
         raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
-    shutil.rmtree(target)
+    if not dry_run:
+        shutil.rmtree(target)
+    return target
 
 
 def folder_bytes(path: Path) -> int:
