@@ -118,11 +118,14 @@ IMAGE_PREFIX = $(if $(REGISTRY),$(patsubst %/,%,$(REGISTRY))/)eyas-
 image        = $(IMAGE_PREFIX)$(1):$(TAG)
 BASE_IMAGE   = $(IMAGE_PREFIX)base:$(VARIANT)
 SLIM_IMAGE   = $(IMAGE_PREFIX)base:slim
-stage_base   = $(if $(filter $(1),$(SLIM_STAGES)),$(SLIM_IMAGE),$(BASE_IMAGE))
+# a stage may name its own base, e.g. the serve image on an engine's image: STAGE_BASE_serve=vllm/vllm-openai:vX
+stage_base   = $(or $(STAGE_BASE_$(1)),$(if $(filter $(1),$(SLIM_STAGES)),$(SLIM_IMAGE),$(BASE_IMAGE)))
 BASE_BUILD_ARGS = --build-arg BASE_OS=$(BASE_OS) --build-arg CUDA_DEVEL=$(CUDA_DEVEL) --build-arg CUDA_RUNTIME=$(CUDA_RUNTIME) \
   --build-arg 'PY_PINS=$(strip $(PY_PINS))' --build-arg 'TORCH_PINS=$(TORCH_PINS)' --build-arg TORCH_VERSION=$(TORCH_VERSION)+$(VARIANT) \
   --build-arg TORCH_INDEX_URL=$(if $(and $(filter cpu,$(VARIANT)),$(TORCH_CPU_WHEEL)),,$(TORCH_INDEX_URL)) \
   --build-arg FLASH_ATTN_VERSION=$(FLASH_ATTN_VERSION) --build-arg MAX_JOBS=$(MAX_JOBS)
+# stage 04 serves on the engine's own image on cu128; on cpu it gets the cpu base (its HTTP benchmark runs)
+STAGE_BASE_serve ?= $(if $(filter cu128,$(VARIANT)),vllm/vllm-openai:v$(VLLM_VERSION))
 STAGE_BUILD_ARGS_extract = --build-arg WITH_VLLM=$(EXTRACT_WITH_VLLM) --build-arg VLLM_PIN=vllm==$(VLLM_VERSION)
 
 # --- how a command reaches its runner ---------------------------------------------------------------------
@@ -141,7 +144,10 @@ host_name = $(lastword $(subst @, ,$(call host_dest,$(1))))
 # GPUS=all | a count (4) | device ids (0,1 or device=2), the last made docker's quoted device form
 GPU_FLAGS  = $(if $(and $(filter cu128,$(VARIANT)),$(GPUS)),--gpus $(if $(or $(findstring $(comma),$(GPUS)),$(filter device=%,$(GPUS))),'"device=$(GPUS:device=%=%)"',$(GPUS)))
 NCCL_FLAGS = $(foreach v,NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG,$(if $($(v)),-e $(v)=$($(v))))
-MOUNTS     = $(foreach p,$(MODEL) $(PROMPTS),-v $(abspath $(p)):$(abspath $(p)):ro)
+# host paths a stage reads, mounted read-only at the same path (set per target below; docker would
+# create a missing one as an empty folder, so each target mounts only what it reads)
+MOUNT_PATHS ?=
+MOUNTS     = $(foreach p,$(MOUNT_PATHS),-v $(abspath $(p)):$(abspath $(p)):ro)
 # $(call docker_run,STAGE,ENTRYPOINT or empty,ARGS): the stage image with DATA at /data, host network,
 # GPUs and the shared-memory / locked-memory limits NCCL and dataloaders need
 docker_run = $(strip $(DOCKER) run --rm --init --network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
@@ -208,7 +214,9 @@ test: install vllm ## run every test (CPU; starts real vLLM servers on 127.0.0.1
 demo: install vllm ## the pipeline end to end on the tiny fixture target, on CPU (data in ./data/demo)
 	EYAS_DATA=$(CURDIR)/data/demo $(PY) demo.py
 
-# --- the stages -----------------------------------------------------------------------------------------
+# --- the stages ---
+synth eval: MOUNT_PATHS = $(MODEL) $(PROMPTS)
+extract train: MOUNT_PATHS = $(MODEL)
 SYNTH_RUN = run --prompts $(call path_arg,$(PROMPTS)) --name $(NAME) --model $(call path_arg,$(MODEL)) \
   $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) --max-tokens $(MAX_TOKENS) \
   --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(SYNTH_ARGS)
