@@ -142,7 +142,9 @@ host_dest = $(firstword $(subst :, ,$(1)))
 host_port = $(word 2,$(subst :, ,$(1)))
 host_name = $(lastword $(subst @, ,$(call host_dest,$(1))))
 # GPUS=all | a count (4) | device ids (0,1 or device=2), the last made docker's quoted device form
-GPU_FLAGS  = $(if $(and $(filter cu128,$(VARIANT)),$(GPUS)),--gpus $(if $(or $(findstring $(comma),$(GPUS)),$(filter device=%,$(GPUS))),'"device=$(GPUS:device=%=%)"',$(GPUS)))
+# stages that get GPUS (synth and clean-remote run where no GPU runtime may be installed)
+GPU_STAGES ?= extract train serve
+GPU_FLAGS  = $(if $(and $(filter cu128,$(VARIANT)),$(GPUS),$(filter $(1),$(GPU_STAGES))),--gpus $(if $(or $(findstring $(comma),$(GPUS)),$(filter device=%,$(GPUS))),'"device=$(GPUS:device=%=%)"',$(GPUS)))
 NCCL_FLAGS = $(foreach v,NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG,$(if $($(v)),-e $(v)=$($(v))))
 # host paths a stage reads, mounted read-only at the same path (set per target below; docker would
 # create a missing one as an empty folder, so each target mounts only what it reads)
@@ -151,7 +153,7 @@ MOUNTS     = $(foreach p,$(MOUNT_PATHS),-v $(abspath $(p)):$(abspath $(p)):ro)
 # $(call docker_run,STAGE,ENTRYPOINT or empty,ARGS): the stage image with DATA at /data, host network,
 # GPUs and the shared-memory / locked-memory limits NCCL and dataloaders need
 docker_run = $(strip $(DOCKER) run --rm --init --network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
-  $(GPU_FLAGS) $(NCCL_FLAGS) $(if $(RUN_USER),--user $(RUN_USER)) -v $(DATA):/data -e EYAS_DATA=/data $(MOUNTS) \
+  $(call GPU_FLAGS,$(1)) $(NCCL_FLAGS) $(if $(RUN_USER),--user $(RUN_USER)) -v $(DATA):/data -e EYAS_DATA=/data $(MOUNTS) \
   $(DOCKER_RUN_ARGS) $(if $(2),--entrypoint $(2)) $(call image,$(1)) $(3))
 # $(call on_host,HOST,COMMAND): COMMAND in a shell on HOST over ssh, quoted once
 on_host = $(strip $(SSH) $(if $(call host_port,$(1)),-p $(call host_port,$(1))) $(SSH_ARGS) $(call host_dest,$(1))) $(call shq,$(2))
@@ -178,7 +180,7 @@ TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 KNOBS := RUNNER HOST HOSTS REGISTRY TAG VARIANT DATA GPUS NPROC MODEL SERVER PROMPTS N NAME SYNTH HIDDEN DRAFT \
          BACKEND MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS EXTRACT_ARGS TRAIN_ARGS EVAL_ARGS EYAS_DATA \
          BASE_OS CUDA_DEVEL CUDA_RUNTIME MAX_JOBS TORCH_VERSION FLASH_ATTN_VERSION TORCH_CPU_WHEEL CA_BUNDLE \
-         SSH_ARGS RUN_USER NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG RDZV_PORT DOCKER_BUILD_ARGS DOCKER_RUN_ARGS
+         GPU_STAGES SSH_ARGS RUN_USER NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG RDZV_PORT DOCKER_BUILD_ARGS DOCKER_RUN_ARGS
 knob_origin = $(if $(filter command line,$(origin $(1))),command line,$(if $(filter environment%,$(origin $(1))),environment,$(if $(filter $(1),$(SETTINGS_VARS)),$(SETTINGS),default)))
 
 help: ## list targets and their knobs
