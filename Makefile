@@ -189,7 +189,7 @@ help: ## list targets and their knobs
 	@echo "  stages with an image: $(STAGE_NAMES)"
 	@echo "  runners: RUNNER=local (default, .venv) | RUNNER=docker | HOST=user@name[:port] (ssh) | HOSTS=\"a b\" (train)"
 
-settings: ## print every knob in force and where it came from (command line, environment, $(SETTINGS), default)
+settings: ## print every knob in force and where it came from (command line, environment, settings file, default) [SETTINGS]
 	@$(foreach v,$(KNOBS),printf '  %-20s %-48s %s\n' $(v) $(call shq,$(or $($(v)),-)) '($(call knob_origin,$(v)))';)
 
 install: $(VENV)/.installed ## create .venv (CPU torch 2.13.0, common, every stage, test deps)
