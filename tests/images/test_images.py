@@ -17,7 +17,7 @@ import pytest
 
 from eyas_common.contract import Dataset
 from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.servers import running_vllm
+from eyas_common.servers import VllmServer, start_vllm, stop, wait_healthy
 
 from engines import Engines, registry_tags, running_engines
 
@@ -48,6 +48,17 @@ def repo(tmp_path_factory) -> Path:
     subprocess.run(["git", "add", "-A"], cwd=dest, check=True)
     subprocess.run([*git, "commit", "-q", "-m", "snapshot"], cwd=dest, check=True)
     return dest
+
+
+@pytest.fixture(scope="module")
+def vllm(fixture_target, tmp_path_factory) -> VllmServer:
+    """vLLM on the fixture target, started early (it takes a minute or two) and awaited where used."""
+    server = start_vllm(fixture_target, log_path=tmp_path_factory.mktemp("vllm") / "server.log",
+                        extra_args=["--reasoning-parser", "kimi_k2"])
+    try:
+        yield server
+    finally:
+        stop(server)
 
 
 @pytest.fixture(scope="module")
@@ -118,24 +129,25 @@ def test_cpu_base_and_every_stage_image_build(repo, engines, state):
     state["images"] = images
 
 
-def test_make_push_reaches_the_registry(repo, engines, state):
+def test_make_push_reaches_the_registry(repo, engines, state, vllm):
+    # (vllm starts up meanwhile, for the next test)
     make(repo, engines, "push")
     for stage in state["images"]:
         assert state["tag"] in registry_tags(engines.registry, f"eyas-{stage}"), stage
 
 
-def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, data, fixture_target, tmp_path):
+def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, data, fixture_target, vllm, tmp_path):
     # drop the tag the run uses (a second tag keeps the layers and the build cache): the run over ssh
     # must get it from the registry
     docker(engines, "tag", state["images"]["synth"], "eyas-test-keep:synth")
     docker(engines, "rmi", state["images"]["synth"])
     prompts = tmp_path / "prompts.jsonl"
     write_prompts_jsonl(prompts, 8, 3)
-    with running_vllm(fixture_target, log_path=tmp_path / "vllm.log", timeout_s=600,
-                      extra_args=["--reasoning-parser", "kimi_k2"]) as server:
-        r = make(repo, engines, "synth", HOST=engines.ssh_host, RUNNER="docker", DATA=str(data),
-                 MODEL=str(fixture_target), PROMPTS=str(prompts), SERVER=server.url, NAME="s1", N="8",
-                 MAX_TOKENS="200", CONCURRENCY="8")
+    wait_healthy(vllm, 600)
+    r = make(repo, engines, "synth", HOST=engines.ssh_host, RUNNER="docker", DATA=str(data),
+             MODEL=str(fixture_target), PROMPTS=str(prompts), SERVER=vllm.url, NAME="s1", N="8",
+             MAX_TOKENS="200", CONCURRENCY="8")
+    stop(vllm)  # done with it: the cores go to extract and train
     assert f"Downloaded newer image for {state['images']['synth']}" in r.stdout
     m = manifest(data, "synth/s1")
     assert m["status"] == "complete" and m["producer"]["git"] == f"eyas-synth:{state['tag']}"
