@@ -170,7 +170,7 @@ def test_extract_and_train_run_from_their_images(repo, engines, state, data, fix
     assert hidden["status"] == draft["status"] == "complete"
     assert hidden["producer"]["git"] == f"eyas-extract:{state['tag']}"
     assert draft["producer"]["git"] == f"eyas-train:{state['tag']}"
-    assert [i["ref"] for i in draft["inputs"]] == ["hidden/h1"]
+    assert [i["ref"] for i in draft["inputs"]] == ["hidden/h1", "synth/s1"]  # lineage back to the samples
     assert (data / "drafts/d1/config.json").is_file() and (data / "drafts/d1/model.safetensors").is_file()
 
 
