@@ -201,6 +201,8 @@ def test_a_patch_to_train_rebuilds_only_its_last_layers(repo, engines, state):
 
 def test_clean_remote_deletes_one_dataset_and_refuses_the_rest(repo, engines, data):
     shutil.copytree(data / "synth/s1", data / "synth/bad")
+    for path in [data / "synth/bad", *(data / "synth/bad").rglob("*")]:
+        os.chown(path, EYAS_UID, EYAS_UID)  # as if the synth image had written it
     outside = data.parent / "outside.txt"
     outside.write_text("keep me")
     (data / "synth/escape").symlink_to("../..")
