@@ -10,6 +10,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -153,7 +154,7 @@ def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, d
     assert m["status"] == "complete" and m["producer"]["git"] == f"eyas-synth:{state['tag']}"
     assert sum(1 for _ in open(data / "synth/s1/samples.jsonl")) == 8
     # and this checkout's own validator agrees with the one in the image
-    venv_bin = Path(os.sys.executable).parent
+    venv_bin = Path(sys.executable).parent
     v = subprocess.run([str(venv_bin / "eyas-synth"), "validate", "s1"], env={**os.environ, "EYAS_DATA": str(data)},
                        capture_output=True, text=True)
     assert v.returncode == 0, v.stdout + v.stderr
