@@ -56,6 +56,8 @@ SSH      ?= ssh
 SSH_ARGS ?=
 DOCKER_BUILD_ARGS ?= --network=host
 DOCKER_RUN_ARGS   ?=
+# unlimited locked memory (pinned host memory, NCCL) and a 64 MiB stack, as NVIDIA's containers want
+ULIMITS  ?= --ulimit memlock=-1 --ulimit stack=67108864
 # docker run --user (empty: the image's user eyas, uid 1000; the data volume must be writable by it)
 RUN_USER ?=
 # NCCL knobs passed into containers when set: NCCL_P2P_DISABLE=1 is the known fix for multi-GPU
@@ -152,7 +154,7 @@ MOUNT_PATHS ?=
 MOUNTS     = $(foreach p,$(MOUNT_PATHS),-v $(abspath $(p)):$(abspath $(p)):ro)
 # $(call docker_run,STAGE,ENTRYPOINT or empty,ARGS): the stage image with DATA at /data, host network,
 # GPUs and the shared-memory / locked-memory limits NCCL and dataloaders need
-docker_run = $(strip $(DOCKER) run --rm --init --network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 \
+docker_run = $(strip $(DOCKER) run --rm --init --network=host --ipc=host $(ULIMITS) \
   $(call GPU_FLAGS,$(1)) $(NCCL_FLAGS) $(if $(RUN_USER),--user $(RUN_USER)) -v $(DATA):/data -e EYAS_DATA=/data $(MOUNTS) \
   $(DOCKER_RUN_ARGS) $(if $(2),--entrypoint $(2)) $(call image,$(1)) $(3))
 # $(call on_host,HOST,COMMAND): COMMAND in a shell on HOST over ssh, quoted once
@@ -180,7 +182,7 @@ TRAIN   := $(if $(filter-out 1,$(NPROC)),$(VENV)/bin/torchrun --standalone --npr
 KNOBS := RUNNER HOST HOSTS REGISTRY TAG VARIANT DATA GPUS NPROC MODEL SERVER PROMPTS N NAME SYNTH HIDDEN DRAFT \
          BACKEND MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS EXTRACT_ARGS TRAIN_ARGS EVAL_ARGS EYAS_DATA \
          BASE_OS CUDA_DEVEL CUDA_RUNTIME MAX_JOBS TORCH_VERSION FLASH_ATTN_VERSION TORCH_CPU_WHEEL CA_BUNDLE \
-         GPU_STAGES SSH_ARGS RUN_USER NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG RDZV_PORT DOCKER_BUILD_ARGS DOCKER_RUN_ARGS
+         GPU_STAGES SSH_ARGS RUN_USER ULIMITS NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG RDZV_PORT DOCKER_BUILD_ARGS DOCKER_RUN_ARGS
 knob_origin = $(if $(filter command line,$(origin $(1))),command line,$(if $(filter environment%,$(origin $(1))),environment,$(if $(filter $(1),$(SETTINGS_VARS)),$(SETTINGS),default)))
 
 help: ## list targets and their knobs

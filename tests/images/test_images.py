@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -76,8 +77,16 @@ def data(tmp_path_factory) -> Path:
     return root
 
 
+def ulimits() -> str:
+    """The Makefile's default ULIMITS, less unlimited locked memory where this machine's hard limit
+    cannot be raised (then runc refuses the container); GPU hosts keep it."""
+    hard = resource.getrlimit(resource.RLIMIT_MEMLOCK)[1]
+    return "--ulimit stack=67108864" + ("" if hard != resource.RLIM_INFINITY else " --ulimit memlock=-1")
+
+
 def make(repo: Path, engines: Engines, *targets: str, check: bool = True, **knobs: str) -> subprocess.CompletedProcess:
-    base = {"VARIANT": "cpu", "BASE_OS": OS_IMAGE, "REGISTRY": engines.registry, "SSH_ARGS": engines.ssh_args}
+    base = {"VARIANT": "cpu", "BASE_OS": OS_IMAGE, "REGISTRY": engines.registry, "SSH_ARGS": engines.ssh_args,
+            "ULIMITS": ulimits()}
     cmd = ["make", "--no-print-directory", "-C", str(repo), *targets, *(f"{k}={v}" for k, v in {**base, **knobs}.items())]
     t0 = time.monotonic()
     r = subprocess.run(cmd, env=engines.docker_env, capture_output=True, text=True)
