@@ -184,3 +184,19 @@ def test_hadolint_passes(dockerfile):
     r = subprocess.run([str(HADOLINT), "--config", str(REPO / ".hadolint.yaml"), str(dockerfile)],
                        capture_output=True, text=True)
     assert r.returncode == 0, r.stdout + r.stderr
+
+
+def test_eyas_data_rm_dry_run_checks_like_rm_and_deletes_nothing(tmp_path, monkeypatch):
+    # what `make clean-remote` runs in the image without YES=1
+    from click.testing import CliRunner
+
+    from eyas_common.cli import main as data_cli
+
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path / "root"))
+    (tmp_path / "root/synth/bad").mkdir(parents=True)
+    (tmp_path / "root/synth/bad/manifest.json").write_text("{}")
+    (tmp_path / "root/synth/escape").symlink_to("../..")
+    r = CliRunner().invoke(data_cli, ["rm", "synth/bad", "--dry-run"])
+    assert r.exit_code == 0 and "would delete" in r.output and (tmp_path / "root/synth/bad/manifest.json").exists()
+    r = CliRunner().invoke(data_cli, ["rm", "synth/escape", "--dry-run"])
+    assert r.exit_code != 0 and (tmp_path / "root").is_dir()
