@@ -64,6 +64,17 @@ def vllm(fixture_target, tmp_path_factory) -> VllmServer:
 
 
 @pytest.fixture(scope="module")
+def model(fixture_target, tmp_path_factory) -> Path:
+    """The fixture target as a host keeps a model: readable by every user, the images' eyas too (the
+    cache writes model.safetensors 0600, atomically)."""
+    dest = tmp_path_factory.mktemp("models") / fixture_target.name
+    shutil.copytree(fixture_target, dest)
+    for path in [dest, *dest.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    return dest
+
+
+@pytest.fixture(scope="module")
 def state() -> dict:
     return {}
 
@@ -146,7 +157,7 @@ def test_make_push_reaches_the_registry(repo, engines, state, vllm):
         assert state["tag"] in registry_tags(engines.registry, f"eyas-{stage}"), stage
 
 
-def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, data, fixture_target, vllm, tmp_path):
+def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, data, model, vllm, tmp_path):
     # drop the tag the run uses (a second tag keeps the layers and the build cache): the run over ssh
     # must get it from the registry
     docker(engines, "tag", state["images"]["synth"], "eyas-test-keep:synth")
@@ -155,7 +166,7 @@ def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, d
     write_prompts_jsonl(prompts, 8, 3)
     wait_healthy(vllm, 600)
     r = make(repo, engines, "synth", HOST=engines.ssh_host, RUNNER="docker", DATA=str(data),
-             MODEL=str(fixture_target), PROMPTS=str(prompts), SERVER=vllm.url, NAME="s1", N="8",
+             MODEL=str(model), PROMPTS=str(prompts), SERVER=vllm.url, NAME="s1", N="8",
              MAX_TOKENS="200", CONCURRENCY="8")
     stop(vllm)  # done with it: the cores go to extract and train
     assert f"Downloaded newer image for {state['images']['synth']}" in r.stdout
@@ -169,12 +180,12 @@ def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, d
     assert v.returncode == 0, v.stdout + v.stderr
 
 
-def test_extract_and_train_run_from_their_images(repo, engines, state, data, fixture_target):
+def test_extract_and_train_run_from_their_images(repo, engines, state, data, model):
     # extraction with RUNNER=docker on this machine, training on the "other host" over ssh
-    make(repo, engines, "extract", RUNNER="docker", DATA=str(data), SYNTH="synth/s1", MODEL=str(fixture_target),
+    make(repo, engines, "extract", RUNNER="docker", DATA=str(data), SYNTH="synth/s1", MODEL=str(model),
          NAME="h1")
     make(repo, engines, "train", HOST=engines.ssh_host, DATA=str(data), HIDDEN="hidden/h1",
-         MODEL=str(fixture_target), NAME="d1",
+         MODEL=str(model), NAME="d1",
          TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --log-every 1")
     hidden, draft = manifest(data, "hidden/h1"), manifest(data, "drafts/d1")
     assert hidden["status"] == draft["status"] == "complete"
