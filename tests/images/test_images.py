@@ -218,6 +218,7 @@ def test_a_patch_to_train_rebuilds_only_its_last_layers(repo, engines, state):
     make(repo, engines, *(f"build-{s}" for s in others), TAG=state["tag"])
     for stage in others:
         assert inspect(engines, images[stage])["Id"] == before[stage], stage
+    subprocess.run(["git", "checkout", "-q", "--", "."], cwd=repo, check=True)  # clean again: the pushed tag
 
 
 def test_clean_remote_deletes_one_dataset_and_refuses_the_rest(repo, engines, data):
