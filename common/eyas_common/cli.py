@@ -51,11 +51,15 @@ def verify_cmd(ref: str) -> None:
 @main.command()
 @click.argument("ref")
 @click.option("--yes", is_flag=True, help="Delete without asking.")
-def rm(ref: str, yes: bool) -> None:
+@click.option("--dry-run", is_flag=True, help="Only say what would be deleted (after the same checks).")
+def rm(ref: str, yes: bool, dry_run: bool) -> None:
     """Delete dataset REF (refuses anything outside the data root)."""
     ds = Dataset.parse(ref)
     if not ds.path.exists() and not ds.path.is_symlink():
         raise DatasetError(f"{ds.ref}: nothing at {ds.path}")
+    if dry_run:
+        click.echo(remove(ds, dry_run=True))
+        return
     if not yes:
         what = "the link" if ds.path.is_symlink() else f"({folder_bytes(ds.path) / 1e6:.1f} MB)"
         click.confirm(f"delete {ds.path} {what}?", abort=True)

@@ -468,11 +468,14 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
     return out
 
 
-def remove(ds: Dataset) -> str:
-    """Delete a dataset folder; a symlink in its place is unlinked, never followed. Returns what was done."""
+def remove(ds: Dataset, *, dry_run: bool = False) -> str:
+    """Delete a dataset folder (only say what would go when `dry_run`); a symlink in its place is unlinked,
+    never followed; anything else that is not a dataset folder inside the data root is refused."""
     if ds.path.is_symlink():
         # A link (e.g. an alias of another dataset): the link goes, whatever it points to stays.
         points_to = os.readlink(ds.path)
+        if dry_run:
+            return f"would delete the link {ds.path} (its target {points_to} is kept); nothing deleted (dry run)"
         ds.path.unlink()
         return f"deleted the link {ds.path}; its target {points_to} is kept"
     if not ds.path.is_dir():
@@ -481,6 +484,8 @@ def remove(ds: Dataset) -> str:
     target = ds.path.resolve()
     if target.parent.parent != root:
         raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
+    if dry_run:
+        return f"would delete {target} ({folder_bytes(target) / 1e6:.1f} MB); nothing deleted (dry run)"
     shutil.rmtree(target)
     lock_file(ds).unlink(missing_ok=True)
     return f"deleted {target}"
