@@ -198,5 +198,7 @@ def test_eyas_data_rm_dry_run_checks_like_rm_and_deletes_nothing(tmp_path, monke
     (tmp_path / "root/synth/escape").symlink_to("../..")
     r = CliRunner().invoke(data_cli, ["rm", "synth/bad", "--dry-run"])
     assert r.exit_code == 0 and "would delete" in r.output and (tmp_path / "root/synth/bad/manifest.json").exists()
+    # a link is never followed: its removal is the link alone, and a dry run removes nothing
     r = CliRunner().invoke(data_cli, ["rm", "synth/escape", "--dry-run"])
-    assert r.exit_code != 0 and (tmp_path / "root").is_dir()
+    assert r.exit_code == 0 and "would delete the link" in r.output, r.output
+    assert (tmp_path / "root/synth/escape").is_symlink() and (tmp_path / "root").is_dir()

@@ -135,8 +135,13 @@ def _level(c: int, tps: float) -> dict:
 def _draft_dataset(root: Path, model: Path, name: str = "d", hidden_size: int = 128) -> Dataset:
     ds = Dataset.parse(name, "drafts", root)
     ds.path.mkdir(parents=True)
-    write_json_atomic(ds.path / "config.json", {"architectures": ["LlamaForCausalLMEagle3"],
-                                                "target_hidden_size": hidden_size})
+    # the keys a server (and eyas_common.drafts.read_config) needs; the weights are not read before a launch
+    write_json_atomic(ds.path / "config.json", {
+        "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden_size, "num_attention_heads": 4,
+        "num_key_value_heads": 2, "intermediate_size": 320, "vocab_size": 3000, "draft_vocab_size": 1024,
+        "target_hidden_size": hidden_size, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
+        "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}})
+    (ds.path / "model.safetensors").touch()
     m = new_manifest("drafts", stage="03_train", target=target_fingerprint(load_tokenizer(model), model),
                      inputs=[{"ref": "hidden/h", "manifest_sha256": "0" * 64},
                              {"ref": "synth/s", "manifest_sha256": "1" * 64}], params={})

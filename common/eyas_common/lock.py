@@ -16,7 +16,6 @@ import json
 import os
 import socket
 import sys
-from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso

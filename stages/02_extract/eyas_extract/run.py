@@ -10,7 +10,6 @@ redoes the rest, so a killed run resumes by rerunning it. The last worker to fin
 from __future__ import annotations
 
 import json
-import os
 import queue
 import shutil
 import socket

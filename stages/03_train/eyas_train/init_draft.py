@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eyas_common.contract import Dataset, DatasetError, open_input
+from eyas_common.contract import DatasetError, open_input
 from eyas_common.drafts import CONFIG_FILE
 from eyas_train.export import imported_state
 from eyas_train.model import DraftConfig, Eagle3Draft
