@@ -36,7 +36,7 @@ def main() -> None:
                    "--batch-tokens tokens, fewer on small data]")
 @click.option("--max-len", type=click.IntRange(min=2), default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
-              help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 512 tokens "
+              help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 256 tokens "
                    "a step]")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
               help="Optimiser steps of linear warm-up; cosine decay to 0 after. [default: 3% of the steps, "

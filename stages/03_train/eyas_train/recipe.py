@@ -8,8 +8,8 @@ wins. The reasoning and the measurements behind the constants are in stages/03_t
                    steps within max_epochs (small data: small batches, so it gets enough updates)
     epochs     E = ceil(token_budget / (N L)), within [1, max_epochs], raised until E * (N // B) >= min_steps
                    when max_epochs allows (large data: about the token budget, at least one pass)
-    lr           = 3e-3 * (128 / H) * min(1, sqrt(B L / 512)), H the draft width: the fixture's tuned
-                   3e-3 (H 128, ~500 tokens a step); Adam's square-root rule below 512 tokens a step;
+    lr           = 3e-3 * (128 / H) * min(1, sqrt(B L / 256)), H the draft width: the fixture's tuned
+                   3e-3 (H 128, ~280 tokens a step); Adam's square-root rule below 256 tokens a step;
                    1/width above (muP's rule for Adam), which gives the peers' 1e-4 at H 4096
     warm-up      = 3% of the steps, at most 500 steps
     validation   = N_all // 20 samples, at least min(32, N_all // 8), at most 1000, held out by sample id
@@ -61,8 +61,9 @@ def split_by_sample(sample_ids: list[int], n_val: int, seed: int) -> tuple[list[
     return [i for i in range(len(sample_ids)) if i not in held], val
 
 
-# The learning-rate anchor: the fixture recipe's peak (3e-3) for a 128-wide draft at 512 tokens a step.
-LR_REF, WIDTH_REF, TOKENS_REF = 3e-3, 128, 512
+# The learning-rate anchor: the fixture recipe's peak (3e-3) for a 128-wide draft at the tokens a step it was
+# tuned at (4 samples of ~71 tokens: ~280, rounded down to 256).
+LR_REF, WIDTH_REF, TOKENS_REF = 3e-3, 128, 256
 
 
 def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int) -> Recipe:

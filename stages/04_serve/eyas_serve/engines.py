@@ -1,4 +1,4 @@
-"""The engine command lines: target + EAGLE-3 draft on vLLM or SGLang (DESIGN of the draft folder: export.py).
+"""The engine command lines: target + EAGLE-3 draft on vLLM or SGLang (the draft folder: eyas_common.drafts).
 
 vLLM   python -m vllm.entrypoints.openai.api_server --model T --tensor-parallel-size N
            --speculative-config '{"method": "eagle3", "model": D, "num_speculative_tokens": K}'
