@@ -15,15 +15,13 @@ from eyas_common.fixture import write_prompts_jsonl
 from eyas_serve.acceptance import vllm_acceptance
 from eyas_train.train import run as train
 
-from conftest import RECIPE
-
 
 @pytest.mark.vllm
 def test_trained_draft_learns_and_untrained_is_rejected(trained_draft, fixture_target):
     root = trained_draft.root
     final = Dataset.parse("fixture_trained", "drafts", root).read_manifest()["stats"]["final"]
     untrained = train(hidden="hidden/fixture_400_0", model=fixture_target, name="fixture_untrained", data_root=root,
-                      **{**RECIPE, "epochs": 0})
+                      log_every=100, epochs=0)
     few = write_prompts_jsonl(root / "heldout10.jsonl", 10, seed=11)
     untrained_vllm = vllm_acceptance(fixture_target, untrained, few, root / "vllm_untrained.log")
     report = {"train_s": round(trained_draft.train_s, 1), "final": final, "vllm_untrained": untrained_vllm}
