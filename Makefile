@@ -234,13 +234,13 @@ extract train: MOUNT_PATHS = $(MODEL)
 SYNTH_RUN = run --prompts $(call path_arg,$(PROMPTS)) --name $(NAME) --model $(call path_arg,$(MODEL)) \
   $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) --max-tokens $(MAX_TOKENS) \
   --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(TRC) $(SYNTH_ARGS)
-synth: $(LOCAL_DEPS) ## stage 01: N PROMPTS SERVER MODEL NAME [MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS] [RUNNER HOST REGISTRY DATA]
+synth: $(LOCAL_DEPS) ## stage 01: N PROMPTS SERVER MODEL NAME [TRUST_REMOTE_CODE=1 MAX_TOKENS TEMPERATURE CONCURRENCY SYNTH_ARGS] [RUNNER HOST REGISTRY DATA]
 	@test -n "$(PROMPTS)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 MODEL=/path/to/target NAME=synth_10k" >&2; exit 2; }
 	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,$(SYNTH_RUN))
 	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,validate $(NAME) $(TRC))
 
 EXTRACT_RUN = run --synth $(SYNTH) --model $(call path_arg,$(MODEL)) --name $(NAME) --backend $(BACKEND) $(TRC) $(EXTRACT_ARGS)
-extract: $(LOCAL_DEPS) $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),vllm) ## stage 02: SYNTH=synth/NAME MODEL NAME [BACKEND=hf|vllm NPROC EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
+extract: $(LOCAL_DEPS) $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),vllm) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_CODE=1 BACKEND=hf|vllm NPROC EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
 	@test -n "$(SYNTH)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8']" >&2; exit 2; }
 	$(call run_stage,extract,$(EXTRACT),$(torch_entry),$(call torch_args,eyas_extract,$(EXTRACT_RUN)))
 
@@ -248,11 +248,11 @@ extract-finalize: $(LOCAL_DEPS) ## stage 02: mark hidden/NAME complete once ever
 	$(call run_stage,extract,$(VENV)/bin/eyas-extract,,finalize $(NAME))
 
 TRAIN_RUN = run --hidden $(HIDDEN) --model $(call path_arg,$(MODEL)) --name $(NAME) $(TRC) $(TRAIN_ARGS)
-train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [NPROC TRAIN_ARGS] [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
+train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CODE=1 NPROC TRAIN_ARGS] [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
 	@test -n "$(HIDDEN)" -a -n "$(MODEL)" -a -n "$(NAME)" || { echo "usage: make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name" >&2; exit 2; }
 	$(if $(HOSTS),$(call on_hosts,train,$(call torch_args,eyas_train,$(TRAIN_RUN))),$(call run_stage,train,$(TRAIN),$(torch_entry),$(call torch_args,eyas_train,$(TRAIN_RUN))))
 
-eval: $(LOCAL_DEPS) ## stage 03: offline acceptance: DRAFT=drafts/NAME MODEL PROMPTS=heldout.jsonl [EVAL_ARGS] [RUNNER HOST]
+eval: $(LOCAL_DEPS) ## stage 03: offline acceptance: DRAFT=drafts/NAME MODEL PROMPTS=heldout.jsonl [TRUST_REMOTE_CODE=1 EVAL_ARGS] [RUNNER HOST]
 	@test -n "$(DRAFT)" -a -n "$(MODEL)" -a -n "$(PROMPTS)" || { echo "usage: make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl" >&2; exit 2; }
 	$(call run_stage,train,$(VENV)/bin/eyas-train,,eval --draft $(DRAFT) --model $(call path_arg,$(MODEL)) --prompts $(call path_arg,$(PROMPTS)) --spec-tokens 3 $(TRC) $(EVAL_ARGS))
 
@@ -272,7 +272,7 @@ serve: MOUNT_PATHS = $(MODEL)
 bench-serve: MOUNT_PATHS = $(PROMPTS)
 SERVE_RUN = launch --engine $(ENGINE) --model $(call path_arg,$(MODEL)) $(if $(DRAFT),--draft $(DRAFT)) \
   --spec-tokens $(SPEC_TOKENS) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
-serve: $(LOCAL_DEPS) ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [SPEC_TOKENS TP SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
+serve: $(LOCAL_DEPS) ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [TRUST_REMOTE_CODE=1 SPEC_TOKENS TP SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
 	@test -n "$(MODEL)" || { echo "usage: make serve MODEL=/path/to/target [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] [TP=1] [ENGINE_ARGS='--max-model-len 8192']" >&2; exit 2; }
 	$(call run_stage,serve,$(VENV)/bin/eyas-serve,,$(SERVE_RUN))
 
