@@ -494,7 +494,7 @@ def _short(r: dict[str, Any]) -> str:
 
 def _short_val(r: dict[str, Any]) -> str:
     return (f"validation loss {r['val_loss']:.3f} acc " + "/".join(f"{a:.2f}" for a in r["val_step_acc"])
-            + f" predicted acceptance {r['val_predicted'][-1]:.2f}")
+            + f" predicted acceptance {r['val_predicted'][-1]:.2f} at {len(r['val_predicted'])} draft tokens")
 
 
 def _last_record(log: Path) -> dict[str, Any] | None:
