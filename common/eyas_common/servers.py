@@ -166,14 +166,17 @@ def stop(server: VllmServer, timeout_s: float = 30) -> None:
 
 
 @contextmanager
-def running_vllm(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs) -> Iterator[VllmServer]:
-    """A healthy vLLM server for the duration of the block (see `start_vllm` for kwargs)."""
-    server = start_vllm(model, log_path=log_path, **kwargs)
+def _healthy(server: VllmServer, timeout_s: float) -> Iterator[VllmServer]:
     try:
         wait_healthy(server, timeout_s)
         yield server
     finally:
         stop(server)
+
+
+def running_vllm(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs):
+    """A healthy vLLM server for the duration of the `with` block (see `start_vllm` for kwargs)."""
+    return _healthy(start_vllm(model, log_path=log_path, **kwargs), timeout_s)
 
 
 def start_hf_server(model: Path, *, log_path: Path, port: int | None = None, trust_remote_code: bool = False,
@@ -185,22 +188,9 @@ def start_hf_server(model: Path, *, log_path: Path, port: int | None = None, tru
     port = port or free_port()
     cmd = [str(python or sys.executable), "-m", "eyas_common.hf_server", "--model", str(model),
            "--port", str(port), *(["--trust-remote-code"] if trust_remote_code else [])]
-    log_path = Path(log_path)
-    log_path.parent.mkdir(parents=True, exist_ok=True)
-    with log_path.open("wb") as log:
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                env={**os.environ, "HF_HUB_OFFLINE": "1"}, start_new_session=True)
-    return VllmServer(url=f"http://127.0.0.1:{port}", port=port, proc=proc, log_path=log_path)
+    return start_server(cmd, port=port, log_path=log_path, env={"HF_HUB_OFFLINE": "1"})
 
 
-@contextmanager
-def running_hf_server(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs) -> Iterator[VllmServer]:
-    """A healthy eyas_common.hf_server for the duration of the block (see `start_hf_server`)."""
-    server = start_hf_server(model, log_path=log_path, **kwargs)
-    try:
-        wait_healthy(server, timeout_s)
-        yield server
-    finally:
-        stop(server)
+def running_hf_server(model: Path, *, log_path: Path, timeout_s: float = 300, **kwargs):
+    """A healthy eyas_common.hf_server for the duration of the `with` block (see `start_hf_server`)."""
+    return _healthy(start_hf_server(model, log_path=log_path, **kwargs), timeout_s)
