@@ -12,12 +12,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 import urllib.request
 from pathlib import Path
+
+from eyas_common.servers import free_port
 
 ROOT = Path(__file__).resolve().parent
 DATA = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "demo")).absolute()
@@ -47,12 +48,6 @@ def status(ref: str) -> str | None:
         return json.loads((DATA / ref / "manifest.json").read_text()).get("status")
     except (FileNotFoundError, json.JSONDecodeError):
         return None
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Served:
