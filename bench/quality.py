@@ -96,15 +96,18 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{target}_{n}_{recipe}.log",
                           spec_tokens=SPEC_TOKENS)
     m = json.loads((draft / "manifest.json").read_text())
+    val = m["stats"].get("val") or {}
     predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(SPEC_TOKENS))
-    result = {"target": target, "samples": n, "recipe": recipe, "vllm": acc, "predicted": predicted,
+    chain = (val.get("val_chain_product") or [None] * SPEC_TOKENS)[SPEC_TOKENS - 1]
+    result = {"target": target, "samples": n, "recipe": recipe, "vllm": acc, "predicted": predicted, "chain": chain,
               "train_s": m["stats"]["train_s"], "steps": m["stats"]["steps"], "resolved": m["params"]["recipe"]}
     write_json_atomic(out, result)
     return result
 
 
 def table(rows: list[dict[str, dict[str, Any]]]) -> str:
-    head = ("| target | samples | defaults | best hand | ratio | predicted (defaults) | train s defaults / hand "
+    head = ("| target | samples | defaults | best hand | ratio | predicted (chain product) vs vLLM, defaults "
+            "| train s defaults / hand "
             "| defaults resolved to |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
@@ -115,7 +118,7 @@ def table(rows: list[dict[str, dict[str, Any]]]) -> str:
         res = d and d["resolved"]
         lines.append(
             f"| {cell['target']} | {cell['samples']} | {_f(ad)} | {_f(ah)} | {_f(ad / ah if ad and ah else None, 3)} "
-            f"| {_f(d and d['predicted'])} vs {_f(ad)} | {_f(d and d['train_s'], 0)} / {_f(h and h['train_s'], 0)} "
+            f"| {_f(d and d['predicted'])} ({_f(d and d.get('chain'))}) vs {_f(ad)} | {_f(d and d['train_s'], 0)} / {_f(h and h['train_s'], 0)} "
             f"| {'batch %d, lr %.2g, %d steps' % (res['batch_size'], res['lr'], res['total_steps']) if res else '-'} |")
     return "\n".join(lines)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from eyas_train.config import TrainConfig
-from eyas_train.recipe import peak_lr, predicted_acceptance, resolve, split_by_sample, val_count
+from eyas_train.recipe import peak_lr, predicted_acceptance, replay_acceptance, resolve, split_by_sample, val_count
 
 
 def cfg(**kw) -> TrainConfig:
@@ -79,3 +79,22 @@ def test_predicted_acceptance_is_the_chain_product():
     assert predicted_acceptance(acc, 1) == pytest.approx(1.9)
     assert predicted_acceptance(acc, 3) == pytest.approx(1 + 0.9 + 0.72 + 0.36)
     assert predicted_acceptance([1.0] * 7, 3) == 4.0
+
+
+def test_replay_decodes_each_completion_span_as_a_greedy_verifier_would():
+    mask = [0, 0] + [1] * 8  # prompt rows 0-1; completion x_2..x_9; the first root is row 1
+    assert replay_acceptance([3] * 10, mask, 3) == (2, 6)  # roots 1 and 5, 3 accepted each: length 4.0
+    assert replay_acceptance([0] * 10, mask, 3) == (7, 0)  # a root at every row 1..7: length 1.0
+    # two spans (an earlier turn): each decoded from the row before it; lead capped at spec_tokens
+    assert replay_acceptance([5] * 12, [0, 1, 1, 1, 0, 0, 1, 1, 1, 1, 1, 1], 2) == (1 + 2, 2 + 4)
+
+
+def test_replay_drafts_more_often_from_hard_rows_than_the_chain_product_counts():
+    # easy rows (lead 3) and hard rows (lead 0) alternate in blocks: every row is as likely easy as hard,
+    # yet a decoder leaves an easy row 4 tokens on and a hard row 1 token on, so it drafts mostly from hard
+    # rows. The per-row average lead is 1.5 (1 + a0 + a0 a1 + a0 a1 a2 = 2.5); the decoder's is lower.
+    lead = ([3] * 4 + [0] * 4) * 8
+    mask = [0] + [1] * (len(lead) - 1)
+    drafts, accepted = replay_acceptance(lead, mask, 3)
+    assert 1 + accepted / drafts == pytest.approx(1 + 3 / 5, abs=0.05)
+    assert 1 + accepted / drafts < predicted_acceptance([0.5, 1.0, 1.0], 3)

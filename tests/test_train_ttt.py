@@ -85,6 +85,7 @@ def reference_loss(draft, steps, ids, aux, p, top, mask, decay=0.8):
     hidden = draft.fuse(aux)
     total = 0.0
     stats = torch.zeros(steps, 3, dtype=torch.double)
+    right = torch.zeros(steps, b, t, dtype=torch.bool)  # step k at row r: counted and the target's top token
     counts = torch.zeros(steps)
     for k in range(steps):
         for i in range(b):
@@ -106,8 +107,10 @@ def reference_loss(draft, steps, ids, aux, p, top, mask, decay=0.8):
                     hit = draft.to_target_ids(logq[i, r].argmax()) == top[i, r + 1 + k]
                     stats[k, 1] += float(hit)
                     stats[k, 2] += 1
+                    right[k, i, r] = bool(hit)
         hidden = out
-    return total, stats
+    lead = right.long().cumprod(0).sum(0)  # leading right steps at each row
+    return total, stats, lead
 
 
 @pytest.mark.parametrize("norm_before_residual,steps,lengths", [(False, 4, (9, 6, 1)), (True, 4, (9, 6, 1)),
@@ -117,7 +120,7 @@ def test_ttt_loss_and_grads_match_the_slow_reference(norm_before_residual, steps
     fast = tiny(norm_before_residual)
     slow = tiny(norm_before_residual)
     loss, stats = UnrolledLoss(fast, steps)(ids, aux, p, top, mask, step_counts(mask, steps))
-    ref, ref_stats = reference_loss(slow, steps, ids, aux, p, top, mask)
+    ref, ref_stats, _ = reference_loss(slow, steps, ids, aux, p, top, mask)
     assert torch.allclose(loss, ref, rtol=1e-10, atol=1e-12)
     assert torch.allclose(stats, ref_stats, rtol=1e-10)
     loss.backward()
@@ -125,6 +128,26 @@ def test_ttt_loss_and_grads_match_the_slow_reference(norm_before_residual, steps
     for (name, a), b in zip(fast.named_parameters(), slow.parameters()):
         if a.requires_grad:
             assert torch.allclose(a.grad, b.grad, rtol=1e-8, atol=1e-12), name
+
+
+def test_leads_count_the_right_proposals_in_a_row_from_each_root():
+    """The replay's input: at row t, how many of steps 0, 1, ... were counted and right before the first miss.
+    A zero lm_head makes the draft always propose d2t[0], so where the target's top token is d2t[0] decides
+    the hits: scattered over the rows, they give leads of every length."""
+    steps = 4
+    ids, aux, p, _, mask = batch(lengths=(12, 9, 4))
+    drafts = tiny(), tiny()
+    for d in drafts:
+        with torch.no_grad():
+            d.lm_head.weight.zero_()
+    proposed = int(drafts[0].d2t[0])
+    g = torch.Generator().manual_seed(3)
+    top = torch.where(torch.rand(ids.shape, generator=g) < 0.75, proposed, (proposed + 1) % V)
+    leads: list[torch.Tensor] = []
+    _, stats = UnrolledLoss(drafts[0], steps)(ids, aux, p, top, mask, step_counts(mask, steps), leads)
+    _, _, ref_lead = reference_loss(drafts[1], steps, ids, aux, p, top, mask)
+    assert torch.equal(leads[0], ref_lead)
+    assert set(ref_lead.unique().tolist()) >= {0, 1, 2} and int(ref_lead.sum()) < int(stats[:, 1].sum())
 
 
 @pytest.mark.parametrize("tq", [7, 1])

@@ -127,3 +127,26 @@ def predicted_acceptance(step_acc: list[float], spec_tokens: int) -> float:
         chain *= a
         total += chain
     return total
+
+
+def replay_acceptance(lead: list[int], loss_mask: list[int], spec_tokens: int) -> tuple[int, int]:
+    """(drafts, accepted tokens) of greedy chain speculation over one sample whose target tokens are known,
+    as vLLM would count them: `lead[t]` is how many of the chain's proposals from root t are right
+    (UnrolledLoss's `leads`). Every completion span (a run of loss_mask 1 starting at p) is decoded from root
+    p - 1; a root that accepts m proposals is followed by root t + m + 1 (m accepted, one from the target).
+
+    Unlike the chain product, this visits the roots a decoder visits: after a rejection it drafts again
+    at the very next token, so hard stretches are drafted from more often than easy ones and the mean
+    acceptance is lower than the average over all rows."""
+    drafts = accepted = 0
+    n = len(loss_mask)
+    for p in range(1, n):
+        if not (loss_mask[p] and not loss_mask[p - 1]):
+            continue
+        t = p - 1
+        while t + 2 < n and loss_mask[t + 2]:
+            m = min(lead[t], spec_tokens)
+            drafts += 1
+            accepted += m
+            t += m + 1
+    return drafts, accepted

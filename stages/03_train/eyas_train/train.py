@@ -32,7 +32,8 @@ from eyas_train.export import write_draft
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
-from eyas_train.recipe import Recipe, lr_lambda, predicted_acceptance, resolve, split_by_sample, val_count
+from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
+                               val_count)
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight, text_config
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
@@ -317,15 +318,17 @@ def _plan(s: RunState) -> Iterator[list[int]]:
         yield rank_share([s.train_idx[i] for i in batch], s.lengths, s.d.rank, s.d.world)
 
 
-def _forward(s: RunState, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """The unrolled loss of one global batch (this rank's share) and its per-step stats [steps, 3]."""
+def _forward(s: RunState, batch: dict[str, torch.Tensor], leads: list[torch.Tensor] | None = None,
+             ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The unrolled loss of one global batch (this rank's share) and its per-step stats [steps, 3]
+    (`leads`: see UnrolledLoss)."""
     batch = {k: v.to(s.d.device, non_blocking=True) for k, v in batch.items()}
     target_p, target_top = s.teacher(batch)
     mask = batch["loss_mask"]
     denom = parallel.all_sum(step_counts(mask, s.cfg.ttt_steps), s.d)
     bf16 = s.cfg.precision == "bf16" or (s.cfg.precision == "auto" and s.d.device.type == "cuda")
     with torch.autocast(s.d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
-        return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom)
+        return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom, leads)
 
 
 def _train(s: RunState) -> None:
@@ -401,22 +404,31 @@ def _maybe_validate(s: RunState, log: JsonlAppender | None, bar: tqdm) -> bool:
 @torch.no_grad()
 def _validate(s: RunState) -> dict[str, Any]:
     """Per-step TTT loss and top-1 accuracy on the validation slice (every rank a share of each batch), and
-    the acceptance length they predict for 1..ttt_steps speculative tokens."""
+    the acceptance length predicted for 1..ttt_steps speculative tokens: the validation samples decoded
+    again as a greedy verifier would accept the draft's chains (replay_acceptance), beside the chain
+    product of the per-step accuracies."""
     s.module.eval()
-    bs = s.recipe.batch_size
+    bs, steps = s.recipe.batch_size, s.cfg.ttt_steps
     chunks = (s.val_idx[i:i + bs] for i in range(0, len(s.val_idx), bs))
     plan = (rank_share(c, s.lengths, s.d.rank, s.d.world) for c in chunks)
-    window = torch.zeros(s.cfg.ttt_steps, 3, device=s.d.device)
+    window = torch.zeros(steps, 3, device=s.d.device)
+    replay = torch.zeros(steps, 2, device=s.d.device)  # per spec-token count: drafts, accepted tokens
     for batch in prefetch(s.shards, plan, s.cfg.max_len):
-        window += _forward(s, batch)[1]
+        leads: list[torch.Tensor] = []
+        window += _forward(s, batch, leads)[1]
+        for lead, mask in zip(leads[0].tolist(), batch["loss_mask"].tolist()):
+            for k in range(steps):
+                replay[k] += torch.tensor(replay_acceptance(lead, mask, k + 1), device=s.d.device)
     s.module.train()
     w = parallel.all_sum(window, s.d).cpu()
+    r = parallel.all_sum(replay, s.d).cpu()
     counted = w[:, 2].clamp(min=1)
     acc = (w[:, 1] / counted).tolist()
     return {"step": s.step, "val_loss": round(sum(s.cfg.step_decay**k * v for k, v in
                                                   enumerate((w[:, 0] / counted).tolist())), 5),
             "val_step_acc": [round(a, 5) for a in acc],
-            "val_predicted": [round(predicted_acceptance(acc, k), 4) for k in range(1, len(acc) + 1)]}
+            "val_predicted": [round(1 + float(a / max(1.0, float(d))), 4) for d, a in r.tolist()],
+            "val_chain_product": [round(predicted_acceptance(acc, k), 4) for k in range(1, steps + 1)]}
 
 
 def _finish(s: RunState, t_start: float) -> None:
@@ -446,7 +458,9 @@ def _finish(s: RunState, t_start: float) -> None:
         k = min(PREDICT_SPEC_TOKENS, len(val["val_predicted"]))
         say(f"validation at step {s.best['step']}: accuracy per step " + "/".join(f"{a:.2f}" for a in
             val["val_step_acc"]) + f"; predicted acceptance length at {k} speculative tokens "
-            f"{val['val_predicted'][k - 1]:.2f} (`eyas-train eval` measures it)")
+            f"{val['val_predicted'][k - 1]:.2f} (the validation samples replayed as a greedy verifier accepts "
+            f"the draft's chains; the chain product 1 + a0 + a0 a1 + ... says {val['val_chain_product'][k - 1]:.2f}; "
+            f"`eyas-train eval` measures it)")
 
 
 def _prepare_folder(out: Dataset, cfg: TrainConfig, fingerprint: dict[str, Any], inputs: list[dict[str, str]],

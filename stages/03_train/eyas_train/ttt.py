@@ -127,10 +127,13 @@ class UnrolledLoss(nn.Module):
         self.draft, self.steps, self.decay = draft, steps, decay
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, target_p: torch.Tensor, target_top: torch.Tensor,
-                loss_mask: torch.Tensor, denom: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                loss_mask: torch.Tensor, denom: torch.Tensor, leads: list[torch.Tensor] | None = None,
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         """input_ids, target_top, loss_mask [B, T]; aux [B, T, 3H]; target_p [B, T, Vd] (P_t restricted and
         renormalised); denom [steps] counted rows per step over the global batch.
-        Returns the weighted loss and per-step (loss sum, top-1 hits, counted rows) [steps, 3], detached."""
+        Returns the weighted loss and per-step (loss sum, top-1 hits, counted rows) [steps, 3], detached.
+        `leads`, when given, receives lead [B, T]: at row t, how many steps 0, 1, ... in a row were counted
+        and right, i.e. how many of the chain's proposals from root t a greedy verifier accepts."""
         b, t = input_ids.shape
         positions = torch.arange(t, device=input_ids.device).expand(b, t)
         hidden = self.draft.fuse(aux)
@@ -138,6 +141,8 @@ class UnrolledLoss(nn.Module):
         mask_f = loss_mask.to(aux.dtype if aux.dtype == torch.float64 else torch.float32)
         loss = mask_f.new_zeros(())
         stats = []
+        chain = torch.ones((b, t), dtype=torch.bool, device=input_ids.device)  # steps 0..k all right at row t
+        lead = torch.zeros((b, t), dtype=torch.long, device=input_ids.device)
         for k in range(self.steps):
             out = self.draft.step(shift(input_ids, 1 + k), hidden, positions + k, attend)
             # Rows t < n have a teacher row t+1+k; the last 1+k rows of this step have none (mask 0), so the
@@ -150,5 +155,11 @@ class UnrolledLoss(nn.Module):
             loss = loss + self.decay**k * ce_sum / denom[k].clamp(min=1)
             hits = (self.draft.to_target_ids(logits.argmax(-1)) == target_top[:, 1 + k:]).to(m.dtype)
             stats.append(torch.stack([ce_sum.detach(), (hits * m).sum(), m.sum()]))
+            if leads is not None:
+                chain[:, :n] &= (hits * m).bool()
+                chain[:, n:] = False
+                lead += chain
             hidden = out
+        if leads is not None:
+            leads.append(lead)
         return loss, torch.stack(stats)
