@@ -33,7 +33,7 @@ def main() -> None:
                    "[default: from the rule: 1 to --max-epochs, at least --min-steps steps]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
               help="Samples per optimiser step, summed over all processes. [default: from the rule: about "
-                   "--batch-tokens tokens, fewer on small data]")
+                   "--batch-tokens tokens, fewer on small data, never under 256 tokens]")
 @click.option("--max-len", type=click.IntRange(min=2), default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
               help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 256 tokens "
@@ -55,8 +55,9 @@ def main() -> None:
 @click.option("--eval-every", type=click.IntRange(min=1), default=None,
               help="Optimiser steps between validations. [default: 20 validations over the run]")
 @click.option("--patience", type=click.IntRange(min=0), default=D["patience"].default,
-              help="Stop after this many validations without improvement; 0: never stop early. The best "
-                   "validated draft is the one exported.")
+              help="Stop after this many validations without a better predicted acceptance length (the "
+                   "validation samples replayed as vLLM decodes them); 0: never stop early. The best validated "
+                   "draft is the one exported.")
 @click.option("--weight-decay", type=click.FloatRange(min=0), default=D["weight_decay"].default, help="AdamW weight decay.")
 @click.option("--grad-clip", type=click.FloatRange(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,

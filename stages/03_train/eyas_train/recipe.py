@@ -5,7 +5,9 @@ wins. The reasoning and the measurements behind the constants are in stages/03_t
 
     L  = mean tokens per training sample (after --max-len)       N = training samples
     batch      B = the largest batch <= batch_tokens / L samples that still gives min_steps optimiser
-                   steps within max_epochs (small data: small batches, so it gets enough updates)
+                   steps within max_epochs (small data: small batches, so it gets enough updates), but
+                   never under TOKENS_REF / L samples (below that, steps get noisier faster than they
+                   get more numerous: measured, see the README)
     epochs     E = ceil(token_budget / (N L)), within [1, max_epochs], raised until E * (N // B) >= min_steps
                    when max_epochs allows (large data: about the token budget, at least one pass)
     lr           = 3e-3 * (128 / H) * min(1, sqrt(B L / 256)), H the draft width: the fixture's tuned
@@ -92,7 +94,8 @@ def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int)
 def _batch(n: int, per_sample: float, cfg: Any) -> int:
     by_tokens = max(1, int(cfg.batch_tokens // max(1.0, per_sample)))
     by_steps = max(1, n * cfg.max_epochs // cfg.min_steps)  # min_steps still fit in max_epochs
-    return max(1, min(by_tokens, by_steps))
+    floor = math.ceil(TOKENS_REF / max(1.0, per_sample))  # the lr anchor's tokens a step
+    return max(1, min(n, max(floor, min(by_tokens, by_steps))))
 
 
 def _steps(n: int, per_sample: float, per_epoch: int, cfg: Any) -> int:
