@@ -123,7 +123,7 @@ def test_bench_acceptance_is_the_servers_own(served, vllm_server, trained_draft,
     print(json.dumps({"vllm": spec, "speedup_c8": level["speedup"], "offline": offline}, indent=2))
     assert spec["acceptance_length"] >= 3.3, spec
     assert abs(offline["acceptance_length"] - spec["acceptance_length"]) <= 0.15, (offline, spec)
-    # what `eyas-train run` predicted from its validation slice (1 + a0 + a0*a1 + ...) is vLLM's, within 0.2
+    # what `eyas-train run` predicted by replaying its validation slice as a greedy verifier is vLLM's, within 0.2
     predicted = Dataset.parse(trained_draft.ref, "drafts", root).read_manifest()["stats"]["predicted_acceptance"]["3"]
     assert abs(predicted - spec["acceptance_length"]) <= 0.2, (predicted, spec)
     report = subprocess.run([EYAS_SERVE, "report", "bench/trained"], capture_output=True, text=True,
