@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import signal
+import threading
 import time
 from collections.abc import Coroutine
 from dataclasses import dataclass
@@ -82,18 +84,25 @@ def request_body(model: str, messages: list[dict[str, str]], *, max_tokens: int,
 def run_replay(coro: Coroutine[Any, Any, T]) -> T:
     """asyncio.run, where a Ctrl-C always ends in KeyboardInterrupt.
 
-    asyncio's SIGINT handler cancels the main task, and turns the cancellation into KeyboardInterrupt when it
-    comes out of the run. A replay whose cancellation is absorbed on the way (by the HTTP stack, while the
-    server is stopping too) would return as if it had completed: a Ctrl-C'd bench once exited 0. The
-    cancellation is still pending on the task then (`cancelling()`), so it is raised again."""
-    return asyncio.run(_honour_cancellation(coro))
+    asyncio's own SIGINT handler only cancels the main task, and a replay whose cancellation is absorbed on
+    the way (by the HTTP stack, while the server is stopping too) then returns as if it had completed: a
+    Ctrl-C'd bench once exited 0 and would have written results. Here the handler raises, as it does
+    outside asyncio, and an interrupt seen during the run is raised again after it."""
+    if threading.current_thread() is not threading.main_thread():
+        return asyncio.run(coro)
+    seen: list[int] = []
 
+    def on_sigint(signum: int, frame: Any) -> None:
+        seen.append(signum)
+        raise KeyboardInterrupt
 
-async def _honour_cancellation(coro: Coroutine[Any, Any, T]) -> T:
-    result = await coro
-    task = asyncio.current_task()
-    if task is not None and task.cancelling():
-        raise asyncio.CancelledError
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        result = asyncio.run(coro)
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if seen:
+        raise KeyboardInterrupt
     return result
 
 
