@@ -5,12 +5,10 @@ usable in it)."""
 
 from __future__ import annotations
 
-import asyncio
 import json
 import os
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +22,6 @@ from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, 
 from eyas_common.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command
-from eyas_serve.load import run_replay
 from eyas_serve.metrics import SpecCounters, parse_sglang_server_info, parse_vllm_metrics
 from eyas_serve.plot import plot_results
 from eyas_serve.report import table
@@ -258,19 +255,3 @@ def test_bad_options_get_one_line(tmp_path):
     r = serve_cli(tmp_path, "bench", "--server", "http://127.0.0.1:1", "--prompts", str(prompts), "--name", "b")
     assert r.returncode == 1 and "http://127.0.0.1:1: no answer" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "bench").exists()
-
-
-async def _absorbs_a_ctrl_c() -> str:
-    """A replay whose cancellation gets absorbed on the way, as the HTTP stack can while the server stops too."""
-    signal.raise_signal(signal.SIGINT)
-    try:
-        await asyncio.sleep(5)
-    except asyncio.CancelledError:
-        pass
-    return "as if complete"
-
-
-def test_a_ctrl_c_during_a_replay_always_interrupts_the_bench():
-    assert asyncio.run(_absorbs_a_ctrl_c()) == "as if complete"  # plain asyncio: the Ctrl-C is lost
-    with pytest.raises(KeyboardInterrupt):
-        run_replay(_absorbs_a_ctrl_c())

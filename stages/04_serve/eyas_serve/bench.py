@@ -8,6 +8,7 @@ An interrupted bench leaves bench/NAME partial (never `complete`): rerun it to m
 
 from __future__ import annotations
 
+import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +20,7 @@ from eyas_common.bench import PLOT, start, write_results
 from eyas_common.contract import sha256_file
 from eyas_common.prompts import load_prompts
 from eyas_serve.config import BenchConfig
-from eyas_serve.load import replay, run_replay, served_model
+from eyas_serve.load import replay, served_model
 from eyas_serve.metrics import SpecCounters, detect_engine, read_sglang, read_vllm
 from eyas_serve.plot import plot_results
 
@@ -55,9 +56,9 @@ def _run_level(server: Server, baseline: Server | None, prompts: list, c: int, c
                ) -> tuple[dict[str, Any], Any]:
     kw = dict(concurrency=c, max_tokens=cfg.max_tokens, temperature=cfg.temperature, timeout_s=cfg.timeout_s)
     before = server.counters()
-    draft = run_replay(replay(server.url, server.model, prompts, label=f"draft    c={c}", **kw))
+    draft = asyncio.run(replay(server.url, server.model, prompts, label=f"draft    c={c}", **kw))
     after = server.counters()
-    base = run_replay(replay(baseline.url, baseline.model, prompts, label=f"baseline c={c}", **kw)) \
+    base = asyncio.run(replay(baseline.url, baseline.model, prompts, label=f"baseline c={c}", **kw)) \
         if baseline else None
     spec = _spec_block(before, after)
     speedup = draft["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
@@ -68,7 +69,7 @@ def _run_level(server: Server, baseline: Server | None, prompts: list, c: int, c
 
 def _warm(server: Server, prompts: list, cfg: BenchConfig) -> None:
     if cfg.warmup:
-        run_replay(replay(server.url, server.model, prompts[:cfg.warmup], concurrency=cfg.warmup,
+        asyncio.run(replay(server.url, server.model, prompts[:cfg.warmup], concurrency=cfg.warmup,
                            max_tokens=min(cfg.max_tokens, 32), temperature=cfg.temperature,
                            timeout_s=cfg.timeout_s, label="warm-up"))
 

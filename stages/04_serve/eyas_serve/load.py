@@ -11,17 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import json
-import signal
-import threading
 import time
-from collections.abc import Coroutine
 from dataclasses import dataclass
-from typing import Any, TypeVar
+from typing import Any
 
 import httpx
 from tqdm import tqdm
-
-T = TypeVar("T")
 
 
 @dataclass
@@ -79,31 +74,6 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
 def request_body(model: str, messages: list[dict[str, str]], *, max_tokens: int, temperature: float) -> dict:
     return {"model": model, "messages": messages, "max_tokens": max_tokens, "temperature": temperature,
             "stream": True, "stream_options": {"include_usage": True}}
-
-
-def run_replay(coro: Coroutine[Any, Any, T]) -> T:
-    """asyncio.run, where a Ctrl-C always ends in KeyboardInterrupt.
-
-    asyncio's own SIGINT handler only cancels the main task, and a replay whose cancellation is absorbed on
-    the way (by the HTTP stack, while the server is stopping too) then returns as if it had completed: a
-    Ctrl-C'd bench once exited 0 and would have written results. Here the handler raises, as it does
-    outside asyncio, and an interrupt seen during the run is raised again after it."""
-    if threading.current_thread() is not threading.main_thread():
-        return asyncio.run(coro)
-    seen: list[int] = []
-
-    def on_sigint(signum: int, frame: Any) -> None:
-        seen.append(signum)
-        raise KeyboardInterrupt
-
-    previous = signal.signal(signal.SIGINT, on_sigint)
-    try:
-        result = asyncio.run(coro)
-    finally:
-        signal.signal(signal.SIGINT, previous)
-    if seen:
-        raise KeyboardInterrupt
-    return result
 
 
 async def replay(url: str, model: str, conversations: list[list[dict[str, str]]], *, concurrency: int,
