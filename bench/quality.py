@@ -71,7 +71,11 @@ def _complete(root: Path, name: str, kind: str) -> bool:
     return ds.exists() and ds.read_manifest().get("status") == "complete"
 
 
-def train_one(root: Path, target: str, model: Path, n: int, recipe: str) -> Path:
+def _suffix(seed: int) -> str:
+    return f"-seed{seed}" if seed else ""
+
+
+def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0) -> Path:
     from eyas_extract.run import run as extract
     from eyas_train.train import run as train
 
@@ -79,22 +83,24 @@ def train_one(root: Path, target: str, model: Path, n: int, recipe: str) -> Path
     if not _complete(root, name, "hidden"):
         say(f"{name}: extract")
         extract(synth=f"synth/{name}", model=model, name=name, data_root=root, progress=False)
-    draft = f"{name}_{recipe}"
+    draft = f"{name}_{recipe}{_suffix(seed)}"
     if not _complete(root, draft, "drafts"):
         say(f"{draft}: train")
-        train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, **RECIPES[recipe], **QUIET)
+        train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, seed=seed, **RECIPES[recipe],
+              **QUIET)
     return Dataset.parse(draft, "drafts", root).path
 
 
-def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path) -> dict[str, Any]:
-    """One cell's result for one recipe (cached in results/T_N_RECIPE.json)."""
-    out = root / "results" / f"{target}_{n}_{recipe}.json"
+def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, seed: int = 0
+            ) -> dict[str, Any]:
+    """One cell's result for one recipe and seed (cached in results/T_N_RECIPE[-seedS].json)."""
+    label = f"{target}_{n}_{recipe}{_suffix(seed)}"
+    out = root / "results" / f"{label}.json"
     if out.exists():
         return json.loads(out.read_text())
-    draft = train_one(root, target, model, n, recipe)
-    say(f"{target}_{n}_{recipe}: vLLM acceptance on {HELDOUT} held-out prompts")
-    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{target}_{n}_{recipe}.log",
-                          spec_tokens=SPEC_TOKENS)
+    draft = train_one(root, target, model, n, recipe, seed)
+    say(f"{label}: vLLM acceptance on {HELDOUT} held-out prompts")
+    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{label}.log", spec_tokens=SPEC_TOKENS)
     m = json.loads((draft / "manifest.json").read_text())
     val = m["stats"].get("val") or {}
     predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(SPEC_TOKENS))
@@ -105,22 +111,35 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     return result
 
 
-def table(rows: list[dict[str, dict[str, Any]]]) -> str:
+def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
+    """One line per target x size; with several seeds a value is their mean, the range beside it."""
     head = ("| target | samples | defaults | best hand | ratio | predicted (chain product) vs vLLM, defaults "
-            "| train s defaults / hand "
-            "| defaults resolved to |\n|---|---|---|---|---|---|---|---|")
+            "| train s defaults / hand | defaults resolved to (seed 0) |\n|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
-        d, h = r.get("defaults"), r.get("hand")
-        ad = d and d["vllm"]["acceptance_length"]
-        ah = h and h["vllm"]["acceptance_length"]
-        cell = d or h
-        res = d and d["resolved"]
+        d, h = r.get("defaults") or [], r.get("hand") or []
+        ad, ah = _mean(x["vllm"]["acceptance_length"] for x in d), _mean(x["vllm"]["acceptance_length"] for x in h)
+        cell, res = (d or h)[0], d and d[0]["resolved"]
         lines.append(
-            f"| {cell['target']} | {cell['samples']} | {_f(ad)} | {_f(ah)} | {_f(ad / ah if ad and ah else None, 3)} "
-            f"| {_f(d and d['predicted'])} ({_f(d and d.get('chain'))}) vs {_f(ad)} | {_f(d and d['train_s'], 0)} / {_f(h and h['train_s'], 0)} "
+            f"| {cell['target']} | {cell['samples']} | {_spread(d)} | {_spread(h)} "
+            f"| {_f(ad / ah if ad and ah else None, 3)} "
+            f"| {_f(_mean(x['predicted'] for x in d))} ({_f(_mean(x.get('chain') for x in d))}) vs {_f(ad)} "
+            f"| {_f(_mean(x['train_s'] for x in d), 0)} / {_f(_mean(x['train_s'] for x in h), 0)} "
             f"| {'batch %d, lr %.2g, %d steps' % (res['batch_size'], res['lr'], res['total_steps']) if res else '-'} |")
     return "\n".join(lines)
+
+
+def _mean(values: Any) -> float | None:
+    v = [x for x in values if x is not None]
+    return sum(v) / len(v) if v else None
+
+
+def _spread(results: list[dict[str, Any]]) -> str:
+    """Mean acceptance over the seeds, and `(min-max, k seeds)` when there are several."""
+    a = [x["vllm"]["acceptance_length"] for x in results]
+    if len(a) < 2:
+        return _f(_mean(a))
+    return f"{_f(_mean(a))} ({min(a):.2f}-{max(a):.2f}, {len(a)} seeds)"
 
 
 def _f(x: float | None, digits: int = 2) -> str:
@@ -133,14 +152,19 @@ def main() -> None:
     p.add_argument("--targets", default="llama,qwen3", help="comma-separated: llama, qwen3")
     p.add_argument("--sizes", default="250,1000,4000", help="comma-separated sample counts")
     p.add_argument("--recipes", default="defaults,hand", help="comma-separated: defaults, hand")
+    p.add_argument("--seeds", type=int, default=1,
+                   help="seeds 0..S-1 per recipe and cell; the table shows their mean and range (default 1)")
     a = p.parse_args()
     targets = ["llama"] if a.quick else a.targets.split(",")
     sizes = [250] if a.quick else [int(x) for x in a.sizes.split(",")]
     recipes = a.recipes.split(",")
     bad = [t for t in targets if t not in TARGETS] + [r for r in recipes if r not in RECIPES]
-    if bad or any(n < 20 for n in sizes):
-        sys.exit(f"bench/quality.py: unknown target or recipe {bad} (targets {list(TARGETS)}, recipes "
-                 f"{list(RECIPES)}), or a size under 20 samples in --sizes {a.sizes}")
+    if bad:
+        p.error(f"unknown target or recipe {bad}: targets are {list(TARGETS)}, recipes {list(RECIPES)}")
+    if any(n < 20 for n in sizes):
+        p.error(f"--sizes {a.sizes}: every size must be at least 20 samples")
+    if a.seeds < 1:
+        p.error(f"--seeds {a.seeds}: at least 1")
     root = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "bench-quality"))
     heldout = write_prompts_jsonl(root / "prompts" / "heldout.jsonl", HELDOUT, seed=11)
     t0 = time.monotonic()
@@ -149,7 +173,8 @@ def main() -> None:
         model = TARGETS[target][0]()
         synth_all(root, target, model, sizes)
         for n in sorted(sizes):
-            rows.append({r: measure(root, target, model, n, r, heldout) for r in recipes})
+            rows.append({r: [measure(root, target, model, n, r, heldout, seed) for seed in range(a.seeds)]
+                         for r in recipes})
             print(table(rows), flush=True)
     print(f"\nvLLM {SPEC_TOKENS} speculative tokens, {HELDOUT} held-out prompts, greedy; hand recipe: {HAND}; "
           f"{time.monotonic() - t0:.0f} s; data under {root}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import signal
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -15,6 +16,12 @@ from eyas_common.servers import VllmServer, default_vllm_python, running_vllm
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "vllm: runs a real vLLM server from .venv-vllm (`make vllm` installs it)")
+    # A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and so would every
+    # process it starts: the Ctrl-C tests would then interrupt nothing (a bench ran on and exited 0 once the
+    # server it measured had stopped). A handler, unlike "ignored", does not survive exec, so with Python's
+    # own one here the children start with SIGINT at its default again.
+    if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
 
 
 def pytest_runtest_setup(item: pytest.Item) -> None:

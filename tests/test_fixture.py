@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -122,6 +125,18 @@ def test_prompts_are_held_out_and_deterministic(tmp_path: Path) -> None:
     rows = [json.loads(line) for line in path.read_text().splitlines()]
     assert rows == fx.fixture_prompts(7, seed=1)
     assert rows[0]["messages"][0]["role"] == "user"
+
+
+def test_two_processes_write_the_same_prompts_file_at_once(tmp_path: Path) -> None:
+    # bench/quality.py's parallel cells each write the held-out prompts: a shared temporary name made one fail
+    code = ("import sys; from eyas_common.fixture import write_prompts_jsonl as w\n"
+            "for _ in range(40): w(sys.argv[1], 30, seed=11)")
+    procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.jsonl")], stderr=subprocess.PIPE,
+                              text=True) for _ in range(2)]
+    errors = [p.communicate()[1] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], errors
+    rows = [json.loads(line) for line in (tmp_path / "p.jsonl").read_text().splitlines()]
+    assert rows == fx.fixture_prompts(30, seed=11) and sorted(os.listdir(tmp_path)) == ["p.jsonl"]
 
 
 def test_heldout_generation_keeps_the_format(model, tok) -> None:

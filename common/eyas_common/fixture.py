@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas_common.contract import atomic_write
 from eyas_common.paths import cache_root
 
 SYSTEM, USER, ASSISTANT, MIDDLE, END = "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>"
@@ -229,14 +230,9 @@ def fixture_prompts(n: int, seed: int, split: str = NAME_HELDOUT) -> list[dict]:
 
 
 def write_prompts_jsonl(path: Path, n: int, seed: int, split: str = NAME_HELDOUT) -> Path:
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(path.name + ".tmp")
-    with tmp.open("w") as f:
-        for row in fixture_prompts(n, seed, split):
-            f.write(json.dumps(row) + "\n")
-    tmp.replace(path)
-    return path
+    # atomic_write's per-process temporary: two runs writing the same prompts file at once both succeed
+    atomic_write(path, "".join(json.dumps(row) + "\n" for row in fixture_prompts(n, seed, split)))
+    return Path(path)
 
 
 @dataclass(frozen=True)
