@@ -71,8 +71,9 @@ def _complete(root: Path, name: str, kind: str) -> bool:
     return ds.exists() and ds.read_manifest().get("status") == "complete"
 
 
-def _suffix(seed: int) -> str:
-    return f"-seed{seed}" if seed else ""
+def draft_name(target: str, n: int, recipe: str, seed: int) -> str:
+    """`T_N_RECIPE`, and `-seedS` after it for seeds other than 0 (so seed 0 keeps its cached results)."""
+    return f"{target}_{n}_{recipe}" + (f"-seed{seed}" if seed else "")
 
 
 def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0) -> Path:
@@ -83,7 +84,7 @@ def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: i
     if not _complete(root, name, "hidden"):
         say(f"{name}: extract")
         extract(synth=f"synth/{name}", model=model, name=name, data_root=root, progress=False)
-    draft = f"{name}_{recipe}{_suffix(seed)}"
+    draft = draft_name(target, n, recipe, seed)
     if not _complete(root, draft, "drafts"):
         say(f"{draft}: train")
         train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, seed=seed, **RECIPES[recipe],
@@ -94,7 +95,7 @@ def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: i
 def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, seed: int = 0
             ) -> dict[str, Any]:
     """One cell's result for one recipe and seed (cached in results/T_N_RECIPE[-seedS].json)."""
-    label = f"{target}_{n}_{recipe}{_suffix(seed)}"
+    label = draft_name(target, n, recipe, seed)
     out = root / "results" / f"{label}.json"
     if out.exists():
         return json.loads(out.read_text())
