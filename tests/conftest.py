@@ -14,8 +14,23 @@ from eyas_common.fixture import build_fixture
 from eyas_common.servers import VllmServer, default_vllm_python, running_vllm
 
 
+# --- markers (registered in pytest.ini, which makes an unregistered one an error) ---------------------------
+# `make test-fast` runs `-m "not slow"`. Marked slow here: every `vllm` test, and every test that uses a session
+# fixture that starts vLLM or trains a draft; tests/images (skipped outside `make test-images`) too. Tests that
+# train or extract across processes, or build a fixture of their own, carry `@pytest.mark.slow` themselves.
+SLOW_FIXTURES = frozenset({"vllm_server", "trained_draft"})
+IMAGE_TESTS = Path(__file__).parent / "images"
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        uses = set(getattr(item, "fixturenames", ()))
+        if item.get_closest_marker("vllm") or uses & SLOW_FIXTURES or IMAGE_TESTS in item.path.parents:
+            item.add_marker(pytest.mark.slow)
+# --- end markers ------------------------------------------------------------------------------------------
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "vllm: runs a real vLLM server from .venv-vllm (`make vllm` installs it)")
     # A suite started in the background (`make test &`, nohup) inherits SIGINT ignored, and so would every
     # process it starts: the Ctrl-C tests would then interrupt nothing (a bench ran on and exited 0 once the
     # server it measured had stopped). A handler, unlike "ignored", does not survive exec, so with Python's

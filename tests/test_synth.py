@@ -106,6 +106,22 @@ def test_validate_sample_structure(tok):
     trunc = {**good, "input_ids": prompt + cut, "loss_mask": [0] * p + [1] * len(cut), "reasoning": "2+3 is",
              "content": "", "finish_reason": "length"}
     assert validate_sample(trunc, tok) == []
+    # thinking off (or a target with no <think>): a truncated answer is content, never reasoning
+    off = [{"role": "user", "content": "What is 2+3?"}]
+    prompt = render_prompt(tok, off, thinking=False)
+    cut = tok.encode("The answer is", add_special_tokens=False)
+    plain = {**good, "messages": off, "thinking": False, "input_ids": prompt + cut, "reasoning": None,
+             "loss_mask": [0] * len(prompt) + [1] * len(cut), "content": "The answer is", "finish_reason": "length"}
+    assert validate_sample(plain, tok) == []
+    assert any("content ids decode" in e for e in validate_sample({**plain, "content": "The answer"}, tok))
+    assert any("no <think> opens it" in e for e in validate_sample({**plain, "reasoning": "The answer is"}, tok))
+
+
+def test_thinking_defaults_from_the_target(tok):
+    from eyas_common.chat import resolve_thinking
+
+    assert resolve_thinking(tok, None)[0] is True  # <think>/</think> and a template that takes the switch
+    assert resolve_thinking(tok, False) == (False, "as asked")
 
 
 def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkeypatch):
@@ -150,7 +166,7 @@ def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_targe
     with start_stub(answer=rendering_answer(tok), faults=faults) as stub:
         with pytest.raises(DatasetError, match=r"synth/faulty stays partial: .* missing ids \[.*--allow-missing"):
             synth(prompts=prompts, name="faulty", model=fixture_target, servers=[stub.url], n=n,
-                  concurrency=16, timeout_s=1.5, max_attempts=2, served_model="fixture", data_root=tmp_path,
+                  concurrency=16, timeout_s=1.5, max_attempts=2, served_model="fixture", seed=0, data_root=tmp_path,
                   progress=False)
         served = stub.counts()
     ds = Dataset.parse("faulty", "synth", tmp_path)
@@ -176,7 +192,7 @@ def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_targe
     # a rerun against a healthy server retries exactly the failed ones
     with start_stub(answer=rendering_answer(tok)) as stub:
         stats = synth(prompts=prompts, name="faulty", model=fixture_target, servers=[stub.url], n=n,
-                      concurrency=16, max_attempts=2, served_model="fixture", data_root=tmp_path, progress=False)
+                      concurrency=16, max_attempts=2, served_model="fixture", seed=0, data_root=tmp_path, progress=False)
         assert stub.counts()["ok"] == len(failed)
     ids = [r["id"] for _, r in iter_jsonl(ds.path / "samples.jsonl")]
     assert sorted(ids) == list(range(n)) and stats["failed"] == 0
@@ -186,7 +202,7 @@ def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_targe
 def test_resume_refuses_changed_params_and_drops_truncated_on_request(tok, fixture_target, tmp_path):
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 14, seed=3)
     with start_stub(answer=rendering_answer(tok)) as stub:
-        kw = dict(prompts=prompts, model=fixture_target, servers=[stub.url], served_model="fixture",
+        kw = dict(prompts=prompts, model=fixture_target, servers=[stub.url], served_model="fixture", seed=0,
                   data_root=tmp_path, progress=False)
         stats = synth(name="dropping", n=14, drop_truncated=True, **kw)
         assert stats["truncated_dropped"] == 2 and stats["samples"] == 12  # seeds 3 and 10 are cut (mod 7)
@@ -208,7 +224,8 @@ def test_resume_refuses_changed_params_and_drops_truncated_on_request(tok, fixtu
 def test_synth_against_real_vllm(vllm_server, fixture_target, tok, tmp_path, monkeypatch):
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 64, seed=5)
     stats = synth(prompts=prompts, name="real", model=fixture_target, servers=[vllm_server.url], n=64,
-                  max_tokens=256, temperature=0.0, concurrency=32, data_root=tmp_path, progress=False)
+                  max_tokens=256, temperature=0.0, concurrency=32, allow_rejected="2", data_root=tmp_path,
+                  progress=False)
     # greedy answers of the fixture keep the format; a rare broken one is rejected, never kept
     assert stats["samples"] + stats["rejected"] == 64 and stats["rejected"] <= 2
     assert stats["failed"] == stats["rendered"] == 0
@@ -232,7 +249,7 @@ def test_sigkill_mid_run_then_resume(vllm_server, fixture_target, tok, tmp_path)
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 50, seed=6)
     cmd = [str(REPO / ".venv" / "bin" / "eyas-synth"), "run", "--prompts", str(prompts), "--name", "killed",
            "--model", str(fixture_target), "--server", vllm_server.url, "--n", str(n), "--max-tokens", "256",
-           "--concurrency", "4", "--quiet"]
+           "--concurrency", "4", "--allow-rejected", "10%", "--quiet"]
     env = {**os.environ, "EYAS_DATA": str(tmp_path)}
     samples = tmp_path / "synth" / "killed" / "samples.jsonl"
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)

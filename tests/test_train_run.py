@@ -120,6 +120,7 @@ def run_cli(args: list[str], root: Path, procs: int = 1) -> subprocess.Completed
 
 
 @pytest.mark.parametrize("mode", ["ddp", "fsdp"])
+@pytest.mark.slow  # torchrun training: not in `make test-fast`
 def test_torchrun_two_processes_equal_one(data, fixture_target, mode):
     root, hidden = data
     if not (root / "drafts" / "single").exists():
@@ -135,6 +136,7 @@ def test_torchrun_two_processes_equal_one(data, fixture_target, mode):
     assert m["stats"]["final"]["step_acc"] == pytest.approx(one["step_acc"], abs=0.02)
 
 
+@pytest.mark.slow  # training killed and resumed: not in `make test-fast`
 def test_kill_and_resume_equals_uninterrupted(data, fixture_target):
     root, hidden = data
     args = cmd(hidden, fixture_target, "resumed", "--epochs", "6", "--ckpt-every", "3")
@@ -161,6 +163,7 @@ def test_kill_and_resume_equals_uninterrupted(data, fixture_target):
     assert [r["step"] for r in log] == list(range(2, 37, 2))  # the log was cut back and continued, no repeats
 
 
+@pytest.mark.slow  # trains until it stops: not in `make test-fast`
 def test_early_stopping_exports_the_best_validated_draft(data, fixture_target):
     """16 training samples at a 10x rate overfit within a few epochs: the validation slice (8 samples held out
     by id) stops improving, the run stops after --patience validations, and the draft it exports is the best

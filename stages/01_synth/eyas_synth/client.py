@@ -56,22 +56,28 @@ class RetryPolicy:
         return random.uniform(0.0, _capped_doubling(self.backoff_s, failures, self.max_backoff_s))
 
 
-class RequestFailed(Exception):
-    """A request that failed for good; `kind` is its last failure's stats counter (http_4xx, timeouts, ...)."""
+Failure = tuple[str, str]   # (stats counter such as http_5xx or connect_errors, the error as a user reads it)
 
-    def __init__(self, attempts: int, last_error: str, kind: str = "failed") -> None:
+
+class RequestFailed(Exception):
+    """A request that failed for good; `kind` is its last failure's stats counter (http_4xx, timeouts, ...).
+    `first` is the first failed attempt, on any server, since the pool's last success: when a server
+    dies, that is its own error (an HTTP 500 and its message), before the refused connections."""
+
+    def __init__(self, attempts: int, last_error: str, kind: str = "failed", first: Failure | None = None) -> None:
         super().__init__(f"request failed after {attempts} attempt(s): {last_error}")
         self.attempts = attempts
         self.last_error = last_error
         self.kind = kind
+        self.first = first or (kind, last_error)
 
 
 class ServersDown(Exception):
     """Every server has failed every attempt for `breaker_s` seconds: the whole run should stop."""
 
-    def __init__(self, seconds: float, last_error: str) -> None:
-        super().__init__(f"every server failed for {seconds:.0f} s; last error: {last_error}")
-        self.seconds, self.last_error = seconds, last_error
+    def __init__(self, seconds: float, last: Failure, first: Failure) -> None:
+        super().__init__(f"every server failed for {seconds:.0f} s; last error: {last[1]}")
+        self.seconds, self.last, self.first = seconds, last, first
 
 
 class _Failure(Exception):
@@ -146,6 +152,7 @@ class ChatPool:
         # first failure, every request raises ServersDown instead of retrying (None: never).
         self.breaker_s = breaker_s
         self._failing_since: float | None = None
+        self._outage_first: Failure | None = None   # first failed attempt since the last success
 
     async def __aenter__(self) -> ChatPool:
         self._ssl = httpx.create_ssl_context()
@@ -195,13 +202,14 @@ class ChatPool:
             except _Failure as f:
                 self.stats[f.kind] += 1
                 error = f"{f} ({server.base})"
+                self._outage_first = self._outage_first or (f.kind, error)
                 down_for = self._down_for() if f.retryable and f.kind != "http_429" else 0.0  # 4xx, 429: it is up
                 if self.breaker_s is not None and down_for >= self.breaker_s:
                     self.stats["failed"] += 1
-                    raise ServersDown(down_for, error) from None
+                    raise ServersDown(down_for, (f.kind, error), self._outage_first) from None
                 if not f.retryable or attempt == self.retry.max_attempts:
                     self.stats["failed"] += 1
-                    raise RequestFailed(attempt, error, f.kind) from None
+                    raise RequestFailed(attempt, error, f.kind, self._outage_first) from None
                 self._failed(server)
                 self.stats["retries"] += 1
                 cap = self.retry.max_backoff_s
@@ -211,7 +219,7 @@ class ChatPool:
                 await asyncio.sleep(wait)
                 continue
             server.failures = 0
-            self._failing_since = None
+            self._failing_since = self._outage_first = None
             return data, server.base
         raise AssertionError("unreachable: the last attempt returns or raises")
 

@@ -4,7 +4,8 @@ The files of a synth dataset and the sample record are owned by eyas_common.samp
 its index i in [0, n); sample i answers prompt i mod #prompts. A rerun reads the ids already in
 samples/truncated/rejected and asks only for the others: never a duplicate, never a gap. A run
 holds the dataset's writer lock; it ends `complete` only when every id is answered (or the shortfall
-is within --allow-missing), and otherwise exits non-zero naming the failed ids, the dataset partial.
+is within --allow-missing) and the rejected answers are within --allow-rejected; otherwise it exits
+non-zero naming the failed ids or the first rejection, the dataset partial.
 """
 
 from __future__ import annotations
@@ -19,20 +20,21 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt, target_fingerprint, template_kwargs
+from eyas_common.chat import (ChatTokens, load_tokenizer, render_completion, render_prompt, resolve_thinking,
+                              target_fingerprint, template_kwargs)
 from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, add_producer, changed_params, check_schema,
                                   check_target, finalize, iter_jsonl, new_manifest, sha256_file)
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
-from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, missing_budget,
-                                 parse_allow_missing, validate_sample)
-from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy, ServersDown
+from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, budget_count, parse_budget,
+                                 validate_sample)
+from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
 # param defines what a sample is and must match, including any added later.
 MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency", "timeout_s", "max_attempts",
-              "allow_missing", "breaker_s")
+              "allow_missing", "allow_rejected", "breaker_s")
 # When this many first answers all failed the same way (and none worked), the run stops at once.
 FIRST_FAILURES = 8
 
@@ -49,13 +51,14 @@ class SynthConfig:
     max_model_len: int | None     # the server's context (prompt + completion), from /v1/models; None: unknown
     temperature: float            # sent explicitly: servers otherwise apply generation_config defaults
     top_p: float
-    thinking: bool                # chat-template thinking switch
-    seed: int                     # per-request seed = seed * 1_000_003 + sample id
+    thinking: bool                # chat-template thinking switch, resolved from the target unless given
+    seed: int | None              # per-request seed = seed * 1_000_003 + sample id; None: no seed sent
     drop_truncated: bool          # length-truncated samples go to truncated.jsonl instead of samples.jsonl
     concurrency: int              # requests in flight, all servers together
     timeout_s: float              # per-request timeout, seconds
     max_attempts: int             # tries per request before it is recorded as failed
     allow_missing: str            # samples that may be missing at the end: a count (5) or a percentage (0.5%)
+    allow_rejected: str           # answers that may fail validation: a count or a percentage of n
     breaker_s: float              # stop the run when every server has failed for this long, seconds
     trust_remote_code: bool = False  # the tokenizer's own code (shipped with the target) was run
 
@@ -88,6 +91,8 @@ class RunState:
     counts: Counts = field(default_factory=Counts)
     failed: dict[int, str] = field(default_factory=dict)            # id -> last error, this run
     first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, error) while nothing worked
+    outage_first: Failure | None = None              # the first failure of this run's first outage
+    last_failure: Failure | None = None              # the last request that failed for good
     pool_stats: dict[str, int] = field(default_factory=dict)
 
     @property
@@ -219,15 +224,17 @@ def _payload(st: RunState, sid: int) -> dict[str, Any]:
     cfg, pi = st.cfg, sid % len(st.conversations)
     return {
         "model": cfg.served_model, "messages": st.conversations[pi], "max_tokens": st.max_tokens(pi),
-        "temperature": cfg.temperature, "top_p": cfg.top_p, "seed": cfg.seed * 1_000_003 + sid,
+        "temperature": cfg.temperature, "top_p": cfg.top_p,
         "return_token_ids": True, "chat_template_kwargs": template_kwargs(cfg.thinking),
-    }
+    } | ({} if cfg.seed is None else {"seed": cfg.seed * 1_000_003 + sid})
 
 
 def _failed(st: RunState, sid: int, e: RequestFailed) -> None:
     """Record a failed request; stop the run when the first answers of a new dataset all failed the same way."""
     st.failed[sid] = e.last_error
     st.counts.failed += 1
+    st.outage_first = st.outage_first or e.first
+    st.last_failure = (e.kind, e.last_error)
     if st.done or st.counts.samples or st.counts.rejected or st.counts.truncated_dropped:
         return  # something worked (in this run or before): the failures are these requests', not the setup's
     st.first_errors.append((e.kind, e.last_error))
@@ -294,12 +301,11 @@ def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
 
 
 def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | None = None,
-        max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool = True,
-        seed: int = 0, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
+        max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool | None = None,
+        seed: int | None = None, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
         max_attempts: int = 8, served_model: str | None = None, allow_missing: str = "0",
-        breaker_s: float = 120.0, allow_code_change: bool = False, trust_remote_code: bool = False,
-        data_root: Path | None = None,
-        progress: bool = True) -> dict[str, Any]:
+        allow_rejected: str = "1%", breaker_s: float = 120.0, allow_code_change: bool = False,
+        trust_remote_code: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
     """Make (or resume) synth dataset `name`; returns its final stats."""
     if not servers:
         raise DatasetError("no --server given: pass the base URL of a running vLLM or SGLang server")
@@ -307,12 +313,15 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
                             ("--max-attempts", max_attempts, 1), ("--timeout", timeout_s, 1e-9)):
         if value is not None and value < low:
             raise DatasetError(f"{opt} {value}: must be at least {low if low >= 1 else 'above 0'}")
-    try:
-        parse_allow_missing(allow_missing)
-    except ValueError as e:
-        raise DatasetError(f"--allow-missing {e}") from None
+    for opt, value in (("--allow-missing", allow_missing), ("--allow-rejected", allow_rejected)):
+        try:
+            parse_budget(value)
+        except ValueError as e:
+            raise DatasetError(f"{opt} {e}") from None
     conversations = load_prompts(prompts)
     tokenizer = load_tokenizer(model, trust_remote_code)
+    thinking, why = resolve_thinking(tokenizer, thinking)
+    print(f"[synth] thinking {'on' if thinking else 'off'} ({why})", file=sys.stderr)
     ds = Dataset.parse(name, "synth", data_root)
     served, context = server_info(servers[0])
     cfg = SynthConfig(
@@ -320,8 +329,8 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
         served_model=served_model or served, servers=list(servers), n=len(conversations) if n is None else n,
         max_tokens=max_tokens, max_model_len=context, temperature=temperature, top_p=top_p, thinking=thinking,
         seed=seed, drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s,
-        max_attempts=max_attempts, allow_missing=str(allow_missing), breaker_s=breaker_s,
-        trust_remote_code=trust_remote_code)
+        max_attempts=max_attempts, allow_missing=str(allow_missing), allow_rejected=str(allow_rejected),
+        breaker_s=breaker_s, trust_remote_code=trust_remote_code)
     with WriterLock(ds, stage="01_synth"):
         st = _prepare(ds, cfg, tokenizer, conversations, allow_code_change)
         return _run_and_finish(st, progress)
@@ -373,8 +382,8 @@ def _run_and_finish(st: RunState, progress: bool) -> dict[str, Any]:
         raise SystemExit(INTERRUPTED) from None
     except ServersDown as e:
         raise DatasetError(f"{ds.ref}: stopped: every server failed for {e.seconds:.0f} s (--breaker "
-                           f"{cfg.breaker_s:g}); last error: {e.last_error}. What was made is kept: rerun the "
-                           f"same command once a server is up") from None
+                           f"{cfg.breaker_s:g}); {_failure_story(st.outage_first or e.first, e.last)}. "
+                           f"What was made is kept: rerun the same command once a server is up") from None
     finally:
         bar.close()
     return _finish(st, time.monotonic() - t0)
@@ -384,9 +393,7 @@ def _finish(st: RunState, wall: float) -> dict[str, Any]:
     ds, cfg = st.ds, st.cfg
     done, counts = scan(ds)  # from the files, so the stats agree whether or not a run was interrupted
     counts.failed = len(st.failed)
-    # Short of what was asked: ids with no answer. Rejected answers are answers (asking again with the same
-    # seed gives the same one); they are counted, listed in rejected.jsonl and reported by validate.
-    missing = [i for i in range(cfg.n) if i not in done]
+    missing = [i for i in range(cfg.n) if i not in done]  # ids with no answer (rejected ones are answered)
     stats = asdict(counts) | {
         "requested": cfg.n, "missing": missing, "wall_s_last_run": round(wall, 2),
         "samples_per_s_last_run": round(len(st.todo) / wall, 3) if st.todo and wall else None,
@@ -401,28 +408,56 @@ def _finish(st: RunState, wall: float) -> dict[str, Any]:
     summary = (f"{counts.samples} samples ({counts.rendered} rendered from text, {counts.truncated_kept} truncated "
                f"kept, {counts.truncated_dropped} dropped), {len(missing)} missing of {cfg.n} asked "
                f"({counts.failed} failed, {counts.rejected} rejected), {wall:.1f} s")
-    budget = missing_budget(cfg.allow_missing, cfg.n)
-    if len(missing) > budget or counts.samples == 0:
+    refusal = _refusal(st, summary, missing, counts)
+    if refusal:
         st.manifest["stats"] = stats
         ds.write_manifest(st.manifest)
-        raise DatasetError(_shortfall_message(st, summary, missing, budget, counts.samples))
+        raise DatasetError(refusal)
     finalize(ds, st.manifest, stats=stats, records={k: v for k, v in records.items() if (ds.path / k).exists()})
     print(f"[synth] {ds.ref} complete: {summary}", file=sys.stderr)
     if missing:
         print(f"[synth] accepted short by {len(missing)} (--allow-missing {cfg.allow_missing}): ids {missing[:20]}",
               file=sys.stderr)
+    if counts.rejected:
+        print(f"[synth] accepted with {counts.rejected} rejected (--allow-rejected {cfg.allow_rejected}; "
+              f"in {ds.path / REJECTED})", file=sys.stderr)
     return stats
 
 
-def _shortfall_message(st: RunState, summary: str, missing: list[int], budget: int, samples: int) -> str:
+def _refusal(st: RunState, summary: str, missing: list[int], counts: Counts) -> str | None:
+    """Why the dataset must stay partial (None: it is complete): nothing usable, too many ids with no
+    answer, or too many answers rejected. The first reason found is the one named."""
     ds, cfg = st.ds, st.cfg
-    if not samples:  # nothing to train on, whatever --allow-missing says
-        why = next(iter(st.failed.values()), None)
-        if why is None and (ds.path / REJECTED).exists():
-            why = next((rec["problems"][0] for _, rec in iter_jsonl(ds.path / REJECTED, torn_end_ok=True)), None)
+    if not counts.samples:  # nothing to train on, whatever the budgets say
+        why = next(iter(st.failed.values()), None) or _first_rejection(ds)
         return (f"{ds.ref} stays partial: no usable sample ({summary}); first problem: {why} (details in "
                 f"{ds.path / REJECTED} and {ds.path / FAILURES}). Check that --model is the target the server runs")
-    first = next(iter(st.failed.values()), f"see {FAILURES}")
-    return (f"{ds.ref} stays partial: {summary}; missing ids {missing[:20]}{' ...' if len(missing) > 20 else ''} "
-            f"(first error: {first}; all in {ds.path / FAILURES}). Rerun the same command to retry them, or accept "
-            f"the shortfall with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})")
+    budget = budget_count(cfg.allow_missing, cfg.n)
+    if len(missing) > budget:
+        story = _failure_story(st.outage_first, st.last_failure)
+        return (f"{ds.ref} stays partial: {summary}; missing ids {missing[:20]}{' ...' if len(missing) > 20 else ''} "
+                f"({story}; all in {ds.path / FAILURES}). Rerun the same command to retry them, or accept "
+                f"the shortfall with --allow-missing N or PCT% (now {cfg.allow_missing}, i.e. {budget})")
+    allowed = budget_count(cfg.allow_rejected, cfg.n)
+    if counts.rejected > allowed:
+        return (f"{ds.ref} stays partial: {summary}; {counts.rejected} answers rejected, over --allow-rejected "
+                f"{cfg.allow_rejected} ({allowed}); first problem: {_first_rejection(ds)} (all in "
+                f"{ds.path / REJECTED}; `eyas-synth validate` explains). Fix the cause and make a new dataset, "
+                f"or accept them with --allow-rejected N or PCT%")
+    return None
+
+
+def _first_rejection(ds: Dataset) -> str | None:
+    if not (ds.path / REJECTED).exists():
+        return None
+    return next((f"sample {rec['id']}: {rec['problems'][0]}"
+                 for _, rec in iter_jsonl(ds.path / REJECTED, torn_end_ok=True)), None)
+
+
+def _failure_story(first: Failure | None, last: Failure | None) -> str:
+    """The errors of an outage as a user needs them: a server that first returned an error (an HTTP 500
+    and its message) and then stopped answering has died, and its first error says why."""
+    if first and last and last[0] in ("connect_errors", "timeouts") and first[0] != last[0]:
+        return (f"the server stopped answering (last error: {last[1]}) after it first failed with: {first[1]}; "
+                f"check the server's log and restart it (an engine that died does not come back by itself)")
+    return f"first error: {(first or last or ('', f'see {FAILURES}'))[1]}"

@@ -35,6 +35,9 @@ def main() -> None:
               help="Samples per optimiser step, summed over all processes. [default: from the rule: about "
                    "--batch-tokens tokens, fewer on small data, never under 256 tokens]")
 @click.option("--max-len", type=click.IntRange(min=2), default=D["max_len"].default, help="Tokens kept per sample; longer samples are cut.")
+@click.option("--batching", type=click.Choice(["packed", "padded"]), default=D["batching"].default,
+              help="Rows of a step: its samples packed end to end (attention kept within each sample, no "
+                   "padding computed) or one right-padded sample per row. Same samples and loss either way.")
 @click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
               help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 256 tokens "
                    "a step]")
@@ -105,7 +108,9 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--spec-tokens", type=click.IntRange(min=1), default=3, help="Draft tokens proposed per verification.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Max generated tokens per prompt.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts.")
-@click.option("--thinking/--no-thinking", default=True, help="Chat-template thinking switch.")
+@click.option("--thinking/--no-thinking", default=None,
+              help="Chat-template thinking switch.  [default: on where the target has <think>/</think> and its "
+                   "template takes the switch]")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance; auto: bfloat16 on GPU, float32 on CPU.")
 @click.option("--device-map", default=None, help="transformers device_map for the target.  [default: auto on GPUs, none on CPU]")

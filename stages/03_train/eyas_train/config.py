@@ -19,6 +19,8 @@ class TrainConfig:
     epochs: float | None = None     # passes over the training samples; 0 exports the untrained draft
     batch_size: int | None = None   # samples per optimiser step, over all processes
     max_len: int = 2048             # rows kept per sample (longer samples are cut at the end)
+    batching: str = "packed"        # packed: a step's samples end to end in rows, attention kept within each;
+                                    # padded: one right-padded sample per row (same samples and loss, slower)
     lr: float | None = None         # AdamW peak learning rate
     warmup_steps: int | None = None  # optimiser steps of linear warm-up, then cosine decay to 0
     batch_tokens: int = 16384       # rule: tokens per optimiser step once the data is large enough
@@ -45,7 +47,8 @@ class TrainConfig:
         return asdict(self)
 
     # What may change between a run and its resumption without changing the result.
-    RESUMABLE_CHANGES = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code")
+    # `batching` lays out the same samples with the same loss (ttt.py), so it changes only the speed.
+    RESUMABLE_CHANGES = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching")
 
     def differences(self, other: dict[str, Any]) -> list[str]:
         mine = self.to_dict()

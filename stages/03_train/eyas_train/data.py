@@ -3,6 +3,12 @@
 The shards themselves are read through eyas_common.hidden (the format's one owner), which opens
 exactly the files the manifest lists. Shards are memory-mapped and a sample is sliced out when its
 batch is built, so a dataset far larger than memory trains the same way.
+
+Which samples make a step never depends on how they are laid out: `global_batches` fixes them (the
+same for any number of processes), `rank_share` deals them to ranks, and only then does `collate` lay a
+rank's share into rows, packed end to end (`--batching packed`, the default: no padding computed but
+the tail of a row) or one right-padded sample per row (`--batching padded`); ttt.py keeps packed
+samples apart, so both give the same loss.
 """
 
 from __future__ import annotations
@@ -32,30 +38,68 @@ def global_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[
 
 
 def rank_share(batch: list[int], lengths: list[int], rank: int, world: int) -> list[int]:
-    """This rank's samples of a global batch: sorted by length and dealt round-robin, so ranks pad alike."""
+    """This rank's samples of a global batch: sorted by length and dealt round-robin, so ranks get about
+    the same tokens (and, padded, pad alike)."""
     ordered = sorted(batch, key=lambda i: (lengths[i], i))
     return ordered[rank::world]
 
 
-def collate(rows: list[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
-    """Right-pad samples to [B, T_max, ...]; padding is zeros (loss_mask 0 there)."""
-    t = max(r["input_ids"].shape[0] for r in rows)
-    out = {}
-    for k in rows[0]:
-        first = rows[0][k]
-        buf = torch.zeros((len(rows), t, *first.shape[1:]), dtype=first.dtype)
-        for i, r in enumerate(rows):
-            buf[i, : r[k].shape[0]] = r[k]
-        out[k] = buf
+def row_plan(lengths: list[int], packed: bool) -> list[list[int]]:
+    """Which samples (indices into `lengths`) each batch row holds, in order. Packed: first-fit decreasing
+    into rows as long as the longest sample (a sample is never split; rows end in what padding is left);
+    padded: one sample per row."""
+    if not packed:
+        return [[i] for i in range(len(lengths))]
+    width = max(lengths)
+    rows: list[list[int]] = []
+    free: list[int] = []
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        r = next((r for r, f in enumerate(free) if f >= lengths[i]), len(rows))
+        if r == len(rows):
+            rows.append([])
+            free.append(width)
+        rows[r].append(i)
+        free[r] -= lengths[i]
+    return rows
+
+
+def collate(samples: list[dict[str, torch.Tensor]], packed: bool = False) -> dict[str, torch.Tensor]:
+    """Samples laid into [R, T, ...] rows (row_plan), zeros after each row's last sample (loss_mask 0
+    there). Adds what the unrolled loss needs to keep samples apart (ttt.py): `segment` [R, T] (1 + the
+    sample's index, 0 on padding) and `positions` [R, T] (within the sample); and, per sample in input
+    order, `length` [n] and `spans` [n, 3] (row, first slot, length)."""
+    lengths = [s["input_ids"].shape[0] for s in samples]
+    plan = row_plan(lengths, packed)
+    shape = (len(plan), max(lengths))
+    out = {k: torch.zeros((*shape, *v.shape[1:]), dtype=v.dtype) for k, v in samples[0].items()}
+    out["segment"] = torch.zeros(shape, dtype=torch.long)
+    out["positions"] = torch.zeros(shape, dtype=torch.long)
+    spans = torch.zeros((len(samples), 3), dtype=torch.long)
+    for r, members in enumerate(plan):
+        start = 0
+        for i in members:
+            n = lengths[i]
+            for k, v in samples[i].items():
+                out[k][r, start:start + n] = v
+            out["segment"][r, start:start + n] = i + 1
+            out["positions"][r, start:start + n] = torch.arange(n)
+            spans[i] = torch.tensor([r, start, n])
+            start += n
     out["input_ids"] = out["input_ids"].long()
-    out["length"] = torch.tensor([r["input_ids"].shape[0] for r in rows])
+    out["length"], out["spans"] = torch.tensor(lengths), spans
     return out
 
 
-def prefetch(shards: HiddenShards, plan: Iterator[list[int]], max_len: int) -> Iterator[dict[str, torch.Tensor]]:
+def per_sample(x: torch.Tensor, spans: torch.Tensor) -> list[torch.Tensor]:
+    """A collated [R, T, ...] tensor cut back into its samples (input order), padding dropped."""
+    return [x[r, start:start + n] for r, start, n in spans.tolist()]
+
+
+def prefetch(shards: HiddenShards, plan: Iterator[list[int]], max_len: int,
+             packed: bool) -> Iterator[dict[str, torch.Tensor]]:
     """Collated batches for the planned sample lists, the next one read in a background thread."""
     def load(idx: list[int]) -> dict[str, torch.Tensor]:
-        return collate([shards.read(shards.samples[i], max_len) for i in idx])
+        return collate([shards.read(shards.samples[i], max_len) for i in idx], packed)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None

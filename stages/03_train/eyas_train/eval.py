@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
+from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, resolve_thinking, target_fingerprint
 from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import DatasetError, check_target, open_input, write_json_atomic
 from eyas_common.prompts import load_prompts
@@ -104,7 +104,7 @@ def memory_check(model: str | Path, dtype: str, cuda: bool) -> str:
 
 
 def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int = 3, max_tokens: int = 256,
-             thinking: bool = True, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
+             thinking: bool | None = None, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
              trust_remote_code: bool = False, out: Path | None = None,
              data_root: Path | None = None) -> dict[str, Any]:
     """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL, both in `dtype` (the
@@ -116,6 +116,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
     ds, manifest = open_input(draft, "drafts", root=data_root)
     tok = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tok, model))
+    thinking, _ = resolve_thinking(tok, thinking)
     cuda = torch.cuda.is_available()
     dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)

@@ -27,7 +27,7 @@ from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import TrainConfig
-from eyas_train.data import global_batches, prefetch, rank_share, token_counts
+from eyas_train.data import global_batches, per_sample, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
@@ -202,8 +202,8 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
                         allow_code_change)
         r = s.recipe
         say(f"{r.train_samples} training samples (+{r.val_samples} held out for validation), {r.tokens_per_sample:.0f} "
-            f"tokens each: batch {r.batch_size}, {r.steps_per_epoch} steps/epoch x {r.epochs:g} epochs = "
-            f"{r.total_steps} steps, peak lr {r.lr:.2g}, warm-up {r.warmup_steps} steps, on {d.world} "
+            f"tokens each: batch {r.batch_size} ({cfg.batching}), {r.steps_per_epoch} steps/epoch x {r.epochs:g} "
+            f"epochs = {r.total_steps} steps, peak lr {r.lr:.2g}, warm-up {r.warmup_steps} steps, on {d.world} "
             f"process(es), {d.device}; draft vocab {s.vocab.d2t.numel()} of {s.dcfg.vocab_size} covers "
             f"{s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct)"
             + (f"; resuming at step {s.start}" if s.start else ""))
@@ -325,10 +325,11 @@ def _forward(s: RunState, batch: dict[str, torch.Tensor], leads: list[torch.Tens
     batch = {k: v.to(s.d.device, non_blocking=True) for k, v in batch.items()}
     target_p, target_top = s.teacher(batch)
     mask = batch["loss_mask"]
-    denom = parallel.all_sum(step_counts(mask, s.cfg.ttt_steps), s.d)
+    denom = parallel.all_sum(step_counts(mask, s.cfg.ttt_steps, batch["segment"]), s.d)
     bf16 = s.cfg.precision == "bf16" or (s.cfg.precision == "auto" and s.d.device.type == "cuda")
     with torch.autocast(s.d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
-        return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom, leads)
+        return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom,
+                        positions=batch["positions"], segment=batch["segment"], leads=leads)
 
 
 def _train(s: RunState) -> None:
@@ -340,7 +341,7 @@ def _train(s: RunState) -> None:
     bar = tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
     s.module.train()
     t_loop = time.monotonic()
-    for batch in prefetch(s.shards, _plan(s), cfg.max_len):
+    for batch in prefetch(s.shards, _plan(s), cfg.max_len, cfg.batching == "packed"):
         tokens += int(batch["length"].sum())
         loss, stats = _forward(s, batch)
         # DDP/FSDP average gradients over ranks; the loss is already a global-batch mean, so undo the average.
@@ -413,10 +414,11 @@ def _validate(s: RunState) -> dict[str, Any]:
     plan = (rank_share(c, s.lengths, s.d.rank, s.d.world) for c in chunks)
     window = torch.zeros(steps, 3, device=s.d.device)
     replay = torch.zeros(steps, 2, device=s.d.device)  # per spec-token count: drafts, accepted tokens
-    for batch in prefetch(s.shards, plan, s.cfg.max_len):
+    for batch in prefetch(s.shards, plan, s.cfg.max_len, s.cfg.batching == "packed"):
         leads: list[torch.Tensor] = []
         window += _forward(s, batch, leads)[1]
-        for lead, mask in zip(leads[0].tolist(), batch["loss_mask"].tolist()):
+        samples = zip(per_sample(leads[0].cpu(), batch["spans"]), per_sample(batch["loss_mask"], batch["spans"]))
+        for lead, mask in ((a.tolist(), b.tolist()) for a, b in samples):
             for k in range(steps):
                 replay[k] += torch.tensor(replay_acceptance(lead, mask, k + 1), device=s.d.device)
     s.module.train()

@@ -7,6 +7,7 @@ For tests and bench/quality.py, which need the number and nothing else; users ru
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -20,11 +21,16 @@ from eyas_serve.metrics import parse_vllm_metrics
 
 
 def vllm_acceptance(target: Path, draft: Path, prompts: Path, log: Path, *, spec_tokens: int = 3,
-                    max_tokens: int = 256, concurrency: int = 8, timeout_s: float = 900) -> dict[str, Any]:
-    """The server's spec counters after answering `prompts`, plus how the answers finished."""
+                    max_tokens: int = 256, concurrency: int = 8, timeout_s: float = 900,
+                    extra_args: Sequence[str] = ()) -> dict[str, Any]:
+    """The server's spec counters after answering `prompts`, plus how the answers finished.
+
+    `extra_args` go to vLLM after the speculative config (e.g. `--enforce-eager`, which spares a deep target
+    minutes of graph capture at start-up on CPU).
+    """
     with running_vllm(target, log_path=log, timeout_s=timeout_s,
-                      extra_args=["--speculative-config", json.dumps(speculative_config(draft, spec_tokens))]
-                      ) as server:
+                      extra_args=["--speculative-config", json.dumps(speculative_config(draft, spec_tokens)),
+                                  *extra_args]) as server:
         def ask(messages: list[dict[str, Any]]) -> str:
             r = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
                 "model": str(target), "messages": messages, "temperature": 0.0, "max_tokens": max_tokens})

