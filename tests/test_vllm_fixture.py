@@ -33,7 +33,10 @@ def test_token_ids_and_reasoning_split(vllm_server: VllmServer, fixture_target: 
     torch.set_num_threads(2)
     hf = AutoModelForCausalLM.from_pretrained(fixture_target).eval()
     unthink = tok.convert_tokens_to_ids(fx.UNTHINK)
-    for prompt in fx.fixture_prompts(3, seed=21):
+    split = 0
+    # The tiny model sometimes never closes its thinking block (its float arithmetic, and so its answers,
+    # differ between CPUs); those answers still check the ids, and enough others check the split.
+    for prompt in fx.fixture_prompts(5, seed=21):
         msgs = prompt["messages"]
         resp = chat(vllm_server, msgs)
         expected_prompt = tok.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=False)
@@ -50,9 +53,13 @@ def test_token_ids_and_reasoning_split(vllm_server: VllmServer, fixture_target: 
         assert out[0, len(expected_prompt):].tolist() == ids
         msg = choice["message"]
         reasoning = msg.get("reasoning") or msg.get("reasoning_content")
+        if unthink not in ids:
+            continue
         cut = ids.index(unthink)
         assert reasoning == tok.decode(ids[:cut])
         assert msg["content"] == tok.decode(ids[cut + 1 : -1])
+        split += 1
+    assert split >= 3, f"only {split} of 5 answers closed their thinking block"
 
 
 @pytest.mark.vllm
