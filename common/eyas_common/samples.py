@@ -102,10 +102,11 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     if check_prompt:
         problems += _prompt_problems(prompt, render_prompt(tokenizer, sample["messages"], sample.get("thinking", True)))
     finished = sample["finish_reason"] != "length"
-    problems += _wrapper_problems(sample, prompt, completion, tokens, finished)
+    block = _Block.of(prompt, completion, tokens)
+    problems += _wrapper_problems(sample, completion, tokens, block, finished)
     if problems:
         return problems
-    return _text_problems(sample, prompt, completion, tokenizer, tokens, finished)
+    return _text_problems(sample, completion, tokenizer, block, finished)
 
 
 def _mask_problems(ids: list[int], mask: list[int]) -> tuple[list[str], int | None]:
@@ -149,7 +150,7 @@ class _Block:
         return cls(in_prompt or in_completion, int(in_completion), closes)
 
 
-def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: list[int], tokens: ChatTokens,
+def _wrapper_problems(sample: dict[str, Any], completion: list[int], tokens: ChatTokens, block: _Block,
                       finished: bool) -> list[str]:
     """End-of-turn and thinking-wrapper placement."""
     problems = []
@@ -160,7 +161,6 @@ def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: lis
     if eot in completion[:-1]:
         problems.append("end-of-turn token inside the completion before its end")
     reasoning = sample.get("reasoning") or ""
-    block = _Block.of(prompt, completion, tokens)
     if tokens.think_open is not None and tokens.think_open in completion[block.body_start:]:
         problems.append("a <think> token inside the completion")
     if len(block.closes) > 1:
@@ -174,8 +174,8 @@ def _wrapper_problems(sample: dict[str, Any], prompt: list[int], completion: lis
     return problems
 
 
-def _text_problems(sample: dict[str, Any], prompt: list[int], completion: list[int], tokenizer,
-                   tokens: ChatTokens, finished: bool) -> list[str]:
+def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer, block: _Block,
+                   finished: bool) -> list[str]:
     """The ids between the wrappers decode to the stored reasoning and content.
 
     A completion is reasoning only inside a thinking block that was opened; without one (a target with
@@ -183,7 +183,6 @@ def _text_problems(sample: dict[str, Any], prompt: list[int], completion: list[i
     """
     problems = []
     reasoning = sample.get("reasoning") or ""
-    block = _Block.of(prompt, completion, tokens)
     end = len(completion) - 1 if finished else len(completion)
     if block.closes:
         r_ids, c_ids = completion[block.body_start:block.closes[0]], completion[block.closes[0] + 1:end]
