@@ -212,6 +212,30 @@ def test_a_server_that_dies_is_named_by_its_first_error(tmp_path, fixture_target
     assert Dataset.parse("died", "synth", tmp_path).read_manifest()["status"] == "partial"
 
 
+def test_sigterm_mid_run_is_one_line_and_the_rerun_completes(tmp_path, fixture_target, prompts, tok):
+    """SIGTERM (docker stop) while requests are in flight: exit 130 with the one resume line, no asyncio
+    traceback of a task 'never retrieved' after it, and the same command then finishes the dataset."""
+    from test_synth import rendering_answer
+
+    args = ["--prompts", str(prompts), "--name", "term", "--model", str(fixture_target), "--served-model",
+            "fixture", "--seed", "0", "--n", "300", "--concurrency", "16"]
+    samples = tmp_path / "synth" / "term" / SAMPLES
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        proc = subprocess.Popen([PY, "-m", "eyas_synth.cli", "run", "--quiet", *args, "--server", stub.url],
+                                env=env(tmp_path), stderr=subprocess.PIPE, text=True)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and (not samples.exists() or samples.read_bytes().count(b"\n") < 20):
+            assert proc.poll() is None, proc.stderr.read()
+            time.sleep(0.05)
+        proc.send_signal(signal.SIGTERM)
+        err = proc.communicate(timeout=60)[1]
+        assert proc.returncode == 130, err
+        assert "Traceback" not in err and err.strip().splitlines()[-1].startswith("[synth] interrupted: "), err
+        r = synth_cli(tmp_path, *args, "--server", stub.url)
+    assert r.returncode == 0, r.stderr
+    assert sorted(rec["id"] for _, rec in iter_jsonl(samples)) == list(range(300))
+
+
 def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, prompts, tok):
     from test_synth import rendering_answer
 

@@ -11,6 +11,7 @@ non-zero naming the failed ids or the first rejection, the dataset partial.
 from __future__ import annotations
 
 import asyncio
+import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -294,6 +295,20 @@ async def _produce(st: RunState, bar: tqdm) -> None:
                 st.pool_stats = dict(pool.stats)
 
 
+def _produce_until_stopped(st: RunState, bar: tqdm) -> None:
+    """Run `_produce`; SIGTERM stops it the way asyncio stops a Ctrl-C, by cancelling it inside the loop,
+    and both end here as KeyboardInterrupt. (A KeyboardInterrupt raised by a plain signal handler lands
+    inside whichever task is running, and asyncio then prints that task's traceback as never retrieved.)"""
+    async def main() -> None:
+        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
+        await _produce(st, bar)
+
+    try:
+        asyncio.run(main())
+    except asyncio.CancelledError:
+        raise KeyboardInterrupt from None
+
+
 def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
     elapsed = max(bar.format_dict["elapsed"], 1e-6)
     return (f"{c.completion_tokens / elapsed:,.0f} tok/s, retries {pool.stats.get('retries', 0)}, "
@@ -374,7 +389,7 @@ def _run_and_finish(st: RunState, progress: bool) -> dict[str, Any]:
     try:
         with sigterm_as_interrupt():
             if st.todo:
-                asyncio.run(_produce(st, bar))
+                _produce_until_stopped(st, bar)
     except KeyboardInterrupt:
         bar.close()
         print(f"\n[synth] interrupted: {st.counts.samples} new samples are saved in {ds.path / SAMPLES}; "
