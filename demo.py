@@ -22,7 +22,8 @@ from pathlib import Path
 
 from dataclasses import dataclass
 
-from eyas_common.servers import free_port
+from eyas_common.contract import Dataset, DatasetError
+from eyas_testing.servers import free_port
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,8 @@ def make(*args: str) -> None:
 
 def status(ref: str) -> str | None:
     try:
-        return json.loads((DATA / ref / "manifest.json").read_text()).get("status")
-    except (FileNotFoundError, json.JSONDecodeError):
+        return Dataset.parse(ref, root=DATA).read_manifest().get("status")
+    except DatasetError:
         return None
 
 

@@ -23,16 +23,17 @@ import shutil
 import sys
 import tempfile
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, target_fingerprint
-from eyas_common.contract import Dataset, JsonlAppender, finalize, new_manifest
-from eyas_common.fixture import build_fixture, fixture_prompts
+from eyas_common.contract import Dataset
+from eyas_testing.fixture import build_fixture, fixture_prompts
 from eyas_common.paths import cache_root
-from eyas_common.samples import SAMPLES
-from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
+from eyas_common.samples import SAMPLES, index_samples, new_sample, read_tokens, write_dataset
+from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.capture import find_parts
 from eyas_extract.config import ExtractConfig
 from eyas_extract.hf_backend import load_target, pad_batch, pick_device
@@ -66,20 +67,18 @@ def make_synth(root: Path, target: Path, n: int, lo: int, hi: int, seed: int = 0
     tok = load_tokenizer(target)
     eot = ChatTokens.of(tok).end_of_turn
     rng = random.Random(seed)
-    ds = Dataset.parse("bench", "synth", root)
-    ds.path.mkdir(parents=True)
-    manifest = new_manifest("synth", stage="bench", target=target_fingerprint(tok, target), inputs=[],
-                            params={"bench": "fixture prompts + random completions", "n": n, "lengths": [lo, hi]})
-    with JsonlAppender(ds.path / SAMPLES) as w:
+
+    def samples():
         for i, p in enumerate(fixture_prompts(n, seed)):
             prompt = render_prompt(tok, p["messages"])
             k = max(2, rng.randint(lo, hi) - len(prompt))
             completion = [rng.randrange(16, len(tok)) for _ in range(k - 1)] + [eot]
-            w.write({"id": i, "prompt_index": i, "messages": p["messages"], "thinking": True, "reasoning": None,
-                     "content": "", "input_ids": prompt + completion,
-                     "loss_mask": [0] * len(prompt) + [1] * len(completion), "finish_reason": "stop",
-                     "source": "rendered"})
-    finalize(ds, manifest, stats={"samples": n}, records={SAMPLES: n})
+            yield new_sample(id=i, prompt_index=i, messages=p["messages"], thinking=True, reasoning=None, content="",
+                             prompt_ids=prompt, completion_ids=completion, finish_reason="stop", source="rendered")
+
+    ds = write_dataset(Dataset.parse("bench", "synth", root), samples(), stage="bench",
+                       target=target_fingerprint(tok, target),
+                       params={"bench": "fixture prompts + random completions", "n": n, "lengths": [lo, hi]})
     return ds.ref
 
 
@@ -98,6 +97,82 @@ def bare_forward(model: torch.nn.Module, batches: list[torch.Tensor], device: to
         if device.type == "cuda":
             torch.cuda.synchronize()
     return real_tokens / (time.perf_counter() - t0)
+
+
+@dataclass
+class Measured:
+    """What one bench run measured: the extraction runs' and the bare forwards' tokens/s, and the layouts."""
+
+    cfg: ExtractConfig                      # the default-layout extraction, as its manifest records it
+    shards: int
+    batches: int
+    real: int                               # tokens, without padding
+    padded: int                             # tokens, with padding
+    bare: list[float] = field(default_factory=list)      # model(input_ids), tokens/s per rep
+    body: list[float] = field(default_factory=list)      # the decoder stack alone (no lm_head)
+    ext: list[float] = field(default_factory=list)       # extraction, default layout (bf16 aux + final)
+    small_tps: list[float] = field(default_factory=list)  # extraction, topk + fp8
+    vllm_tps: float | None = None           # the vllm backend, one run, where this Python has vLLM
+    bpt: float = 0.0                        # bytes per token, default layout
+    bpt_small: float = 0.0                  # bytes per token, topk + fp8
+
+
+def padded_batches(root: Path, cfg: ExtractConfig) -> tuple[list[list], list[torch.Tensor], int]:
+    """The shards and padded batches extraction made from synth/bench, and their real tokens."""
+    samples_path = root / "synth" / "bench" / SAMPLES
+    plan = plan_shards(index_samples(samples_path, cfg.vocab_size), cfg.shard_samples, cfg.shard_tokens)
+    batches = []
+    for refs in plan:
+        seqs = [s for s, _ in read_tokens(samples_path, refs)]
+        for batch in make_batches([len(s) for s in seqs], cfg.batch_tokens):
+            batches.append(pad_batch([seqs[k] for k in batch])[0])
+    return plan, batches, sum(r.n_tokens for refs in plan for r in refs)
+
+
+def measure(root: Path, target: Path, device: torch.device, args: argparse.Namespace) -> Measured:
+    """Extract `--reps` times in both layouts, alternating with bare forwards over the same padded batches."""
+    synth = make_synth(root, target, args.samples, args.min_len, args.max_len)
+    common = dict(synth=synth, model=target, data_root=root, batch_tokens=args.batch_tokens,
+                  shard_samples=args.shard_samples, device=str(device), progress=False)
+    first = extract(name="x0", **common)
+    cfg = ExtractConfig(**Dataset.parse("hidden/x0", root=root).read_manifest()["params"])
+    plan, batches, real = padded_batches(root, cfg)
+    m = Measured(cfg, len(plan), len(batches), real, sum(b.numel() for b in batches), ext=[first["tokens_per_s"]])
+    model = load_target(cfg, device)
+    decoder = find_parts(model, cfg.num_layers, cfg.hidden_size).base
+    for rep in range(args.reps):
+        m.bare.append(bare_forward(model, batches, device, real))
+        m.body.append(bare_forward(decoder, batches, device, real))
+        if rep:
+            m.ext.append(extract(name=f"x{rep}", **common)["tokens_per_s"])
+        small = extract(name=f"topk-fp8-{rep}", teacher="topk", topk=args.topk, aux_dtype="fp8", **common)
+        m.small_tps.append(small["tokens_per_s"])
+    del model, decoder
+    if importlib.util.find_spec("vllm") is not None:  # the vllm backend too, where this Python has it
+        if device.type == "cuda":
+            torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
+        m.vllm_tps = extract(name="vllm", backend="vllm", **common)["tokens_per_s"]
+    m.bpt, m.bpt_small = first["dataset"]["bytes_per_token"], small["dataset"]["bytes_per_token"]
+    return m
+
+
+def report(m: Measured, target: Path, device: torch.device, args: argparse.Namespace) -> None:
+    cfg, unit = m.cfg, 4 * m.cfg.hidden_size * 2
+    print(f"target: {target.name} ({cfg.num_layers} layers, H {cfg.hidden_size}, V {cfg.vocab_size}), {device}, "
+          f"{cfg.dtype}, attn {cfg.attn}, {torch.get_num_threads()} thread(s)")
+    print(f"data: {args.samples} samples, {m.real:,} tokens ({1 - m.real / m.padded:.1%} padding) in {m.batches} "
+          f"batches of <= {cfg.batch_tokens} tokens, {m.shards} shards; aux layers {cfg.layers}")
+    for label, runs in (("bare model(input_ids):", m.bare), ("extraction (bf16):", m.ext),
+                        ("extraction (topk+fp8):", m.small_tps), ("decoder only (no head):", m.body)):
+        print(f"{label:23s} {max(runs):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in runs)})")
+    if m.vllm_tps is not None:
+        print(f"{'extraction (vllm)':23s} {m.vllm_tps:>10,.0f} tokens/s   (one run; ratio to bare "
+              f"{m.vllm_tps / max(m.bare):.3f})")
+    print(f"throughput ratio:       {max(m.ext) / max(m.bare):10.3f}          (goal >= 0.95; topk+fp8 "
+          f"{max(m.small_tps) / max(m.bare):.3f}; bf16 vs the decoder alone {max(m.ext) / max(m.body):.3f})")
+    print(f"bytes/token bf16+final: {m.bpt:10,.1f} = {m.bpt / unit:.3f} x 4*H*2 ({unit:,} B)")
+    print(f"bytes/token topk{args.topk}+fp8: {m.bpt_small:10,.1f} = {m.bpt_small / unit:.3f} x 4*H*2   (goal <= 0.5)")
+    sys.stdout.flush()
 
 
 def main() -> None:
@@ -120,58 +195,10 @@ def main() -> None:
     device = pick_device(args.device)
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-extract-"))
     try:
-        synth = make_synth(root, target, args.samples, args.min_len, args.max_len)
-        common = dict(synth=synth, model=target, data_root=root, batch_tokens=args.batch_tokens,
-                      shard_samples=args.shard_samples, device=str(device), progress=False)
-        first = extract(name="x0", **common)
-        cfg = ExtractConfig(**Dataset.parse("hidden/x0", root=root).read_manifest()["params"])
-        samples_path = root / "synth" / "bench" / SAMPLES
-        plan = plan_shards(index_samples(samples_path, cfg.vocab_size), cfg.shard_samples, cfg.shard_tokens)
-        batches = []
-        for refs in plan:
-            seqs = [s for s, _ in load_tokens(samples_path, refs)]
-            for batch in make_batches([len(s) for s in seqs], cfg.batch_tokens):
-                batches.append(pad_batch([seqs[k] for k in batch])[0])
-        real = sum(r.n_tokens for refs in plan for r in refs)
-        padded = sum(b.numel() for b in batches)
-        model = load_target(cfg, device)
-        decoder = find_parts(model, cfg.num_layers, cfg.hidden_size).base
-        bare, body, ext, small_tps = [], [], [first["tokens_per_s"]], []
-        for rep in range(args.reps):
-            bare.append(bare_forward(model, batches, device, real))
-            body.append(bare_forward(decoder, batches, device, real))
-            if rep:
-                ext.append(extract(name=f"x{rep}", **common)["tokens_per_s"])
-            small = extract(name=f"topk-fp8-{rep}", teacher="topk", topk=args.topk, aux_dtype="fp8", **common)
-            small_tps.append(small["tokens_per_s"])
-        del model, decoder
-        vllm_tps = None
-        if importlib.util.find_spec("vllm") is not None:  # the vllm backend too, where this Python has it
-            if device.type == "cuda":
-                torch.cuda.empty_cache()  # vLLM sizes its KV cache from the memory free now
-            vllm_tps = extract(name="vllm", backend="vllm", **common)["tokens_per_s"]
-        h = cfg.hidden_size
-        unit = 4 * h * 2
-        bpt = first["dataset"]["bytes_per_token"]
-        bpt_small = small["dataset"]["bytes_per_token"]
+        measured = measure(root, target, device, args)
     finally:
         shutil.rmtree(root, ignore_errors=True)
-
-    ratio = max(ext) / max(bare)
-    print(f"target: {target.name} ({cfg.num_layers} layers, H {h}, V {cfg.vocab_size}), {device}, {cfg.dtype}, "
-          f"attn {cfg.attn}, {torch.get_num_threads()} thread(s)")
-    print(f"data: {args.samples} samples, {real:,} tokens ({1 - real / padded:.1%} padding) in {len(batches)} batches "
-          f"of <= {cfg.batch_tokens} tokens, {len(plan)} shards; aux layers {cfg.layers}")
-    for label, runs in (("bare model(input_ids):", bare), ("extraction (bf16):", ext),
-                        ("extraction (topk+fp8):", small_tps), ("decoder only (no head):", body)):
-        print(f"{label:23s} {max(runs):>10,.0f} tokens/s   (runs: {', '.join(f'{x:,.0f}' for x in runs)})")
-    if vllm_tps is not None:
-        print(f"{'extraction (vllm)':23s} {vllm_tps:>10,.0f} tokens/s   (one run; ratio to bare {vllm_tps / max(bare):.3f})")
-    print(f"throughput ratio:       {ratio:10.3f}          (goal >= 0.95; topk+fp8 {max(small_tps) / max(bare):.3f}; "
-          f"bf16 vs the decoder alone {max(ext) / max(body):.3f})")
-    print(f"bytes/token bf16+final: {bpt:10,.1f} = {bpt / unit:.3f} x 4*H*2 ({unit:,} B)")
-    print(f"bytes/token topk{args.topk}+fp8: {bpt_small:10,.1f} = {bpt_small / unit:.3f} x 4*H*2   (goal <= 0.5)")
-    sys.stdout.flush()
+    report(measured, target, device, args)
 
 
 if __name__ == "__main__":

@@ -7,19 +7,20 @@
 #   2. extract       bench/extract.py --big: extraction tokens/s over a bare forward, bytes/token (bf16, fp8)
 #   3. train         bench/train.py on the real target's shapes (SmolLM2-135M: draft vocab 32,000 and 8,192)
 #                    and a Llama-3-8B-sized draft: TTT/bare, packed/padded, MFU against the GPU's bf16 peak
-#   4. real target   tests/test_smollm2.py with vLLM on the GPU: SmolLM2 from its wheel, synth, extract, a short
+#   4. gpu-tests     tests/test_gpu.py -m gpu: extraction on the GPU (bf16) against the CPU (fp32), training too
+#   5. real target   tests/test_smollm2.py with vLLM on the GPU: SmolLM2 from its wheel, synth, extract, a short
 #                    training, the draft served by vLLM (acceptance length from vLLM's counters)
-#   5. quality       bench/quality.py --targets smollm2 --sizes 500 --recipes defaults: acceptance in vLLM
+#   6. quality       bench/quality.py --targets smollm2 --sizes 500 --recipes defaults: acceptance in vLLM
 #
 #   bash bench/gpu.sh               # everything; GPU_STEPS="train real" runs only those steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 VENV=${GPU_VENV:-/tmp/eyas-gpu-venv}
-STEPS=${GPU_STEPS:-install extract train real quality}
+STEPS=${GPU_STEPS:-install extract train gpu-tests real quality}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 EYAS_CACHE="$PWD/.cache" EYAS_DATA="$OUT/data"
-export PYTHONPATH="$PWD/common:$PWD/stages/01_synth:$PWD/stages/02_extract:$PWD/stages/03_train:$PWD/stages/04_serve"
+export PYTHONPATH="$PWD/testing:$PWD/common:$PWD/stages/01_synth:$PWD/stages/02_extract:$PWD/stages/03_train:$PWD/stages/04_serve"
 pin() { sed -n "s/^$1==\([^[:space:]#]*\).*/\1/p" requirements-cpu.txt requirements-vllm.txt | head -1; }
 
 # step NAME SECONDS COMMAND...: run it under a time limit, log to $OUT/NAME.log, record its exit status
@@ -51,6 +52,7 @@ export EYAS_VLLM_PYTHON="$(command -v python)"
 step extract 120 python bench/extract.py --big --samples 600 --min-len 256 --max-len 2048 --batch-tokens 65536 \
     --shard-samples 128 --reps 2
 step train 120 python bench/train.py --shapes smollm2-32k,smollm2-8k,llama8b --batches 4,38 --min-seconds 3
+step gpu-tests 150 python -m pytest tests/test_gpu.py -q -m gpu -p no:cacheprovider
 step real 180 python -m pytest tests/test_smollm2.py -q -x -p no:cacheprovider
 step quality 240 python bench/quality.py --targets smollm2 --sizes 500 --recipes defaults
 echo "=== summary"; cat "$OUT/summary.txt"

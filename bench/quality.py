@@ -32,13 +32,13 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import Dataset, write_json_atomic
-from eyas_common.fixture import build_fixture, write_prompts_jsonl
-from eyas_common.fixture_qwen3 import build_qwen3_fixture
-from eyas_common.fixture_smollm2 import build_smollm2_fixture
+from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
+from eyas_testing.fixture import build_fixture, write_prompts_jsonl
+from eyas_testing.fixture_qwen3 import build_qwen3_fixture
+from eyas_testing.fixture_smollm2 import build_smollm2_fixture
 from eyas_common.realprompts import write_real_prompts
-from eyas_common.servers import running_vllm
-from eyas_serve.acceptance import vllm_acceptance
+from eyas_testing.servers import running_vllm
+from eyas_testing.acceptance import vllm_acceptance
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_TOKENS, HELDOUT = 3, 40
@@ -119,7 +119,7 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     say(f"{label}: vLLM acceptance on {HELDOUT} held-out prompts")
     acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{label}.log", spec_tokens=SPEC_TOKENS,
                           extra_args=TARGETS[target][2])
-    m = json.loads((draft / "manifest.json").read_text())
+    m = json.loads((draft / MANIFEST).read_text())
     val = m["stats"].get("val") or {}
     predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(SPEC_TOKENS))
     chain = (val.get("val_chain_product") or [None] * SPEC_TOKENS)[SPEC_TOKENS - 1]

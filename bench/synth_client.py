@@ -4,7 +4,7 @@ Both send the same chat requests to one zero-latency vLLM-shaped stub running in
 with the same number in flight; wall time includes building the client. `--plain` adds one plain
 httpx AsyncClient (the naive use of httpx) for reference.
 
-    PYTHONPATH=stages/01_synth:common .venv/bin/python bench/synth_client.py [--requests 5000] [--concurrency 128]
+    PYTHONPATH=stages/01_synth:common:testing .venv/bin/python bench/synth_client.py [--requests 5000] [--concurrency 128]
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ import httpx
 import openai
 
 from eyas_synth.client import ChatPool
-from eyas_synth.stub import spawn_stub
+from eyas_testing.stub import spawn_stub
 
 MESSAGES = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "Explain speculative decoding in two sentences."}]

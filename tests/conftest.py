@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from eyas_common.fixture import build_fixture
-from eyas_common.servers import VllmServer, default_vllm_python, running_vllm
+from eyas_testing.fixture import build_fixture
+from eyas_testing.servers import VllmServer, default_vllm_python, running_vllm
 
 
 # --- markers (registered in pytest.ini, which makes an unregistered one an error) ---------------------------
@@ -77,7 +77,7 @@ def trained_draft(fixture_target: Path, tmp_path_factory: pytest.TempPathFactory
     """A draft trained once per session on 400 of the fixture's own answers (several minutes of CPU):
     stage 03 checks its training, stage 04 serves and benchmarks it."""
     from eyas_train.train import run as train
-    from test_train_data import build_datasets
+    from eyas_testing.datasets import build_datasets
 
     root = tmp_path_factory.mktemp("trained_draft")
     hidden = build_datasets(root, fixture_target, 400, seed=0)

@@ -151,3 +151,86 @@ def test_eyas_data_cli(tmp_path, monkeypatch):
     r = CliRunner().invoke(data_cli, ["rm", "synth/link", "--yes"])
     assert r.exit_code == 0 and "deleted the link" in r.output and outside.exists()
     assert not (tmp_path / "synth" / "link").is_symlink()
+
+
+def test_open_output_is_the_one_create_or_resume_rule(tmp_path):
+    target = {"tokenizer_sha256": "a", "chat_template_sha256": "b"}
+    kw = dict(stage="test", target=target, inputs=[], may_change=("concurrency",))
+    fresh = Dataset.parse("synth/new", root=tmp_path)
+    assert contract.open_output(fresh, params={"n": 1}, **kw)["status"] == "partial"
+    assert not fresh.path.exists()  # writes nothing
+    done = make_dataset(tmp_path, "done")
+    with pytest.raises(DatasetError, match=r"synth/done is already complete; .*eyas-data rm synth/done"):
+        contract.open_output(done, params={}, **kw)
+    assert contract.open_output(done, params={}, complete="keep", **kw)["status"] == "complete"
+    part = make_dataset(tmp_path, "part", status="partial")
+    part.write_manifest(part.read_manifest() | {"params": {"n": 1, "concurrency": 4}})
+    resumed = contract.open_output(part, params={"n": 1, "concurrency": 8}, **kw)
+    assert resumed["params"]["concurrency"] == 8 and len(resumed["producers"]) == 2
+    with pytest.raises(DatasetError, match=r"synth/part was made with n=1 \(now 2\); resume it with the same"):
+        contract.open_output(part, params={"n": 2, "concurrency": 4}, **kw)
+    with pytest.raises(DatasetError, match=r"synth/part was started from \[\]"):
+        contract.open_output(part, params={"n": 1}, **kw | {"inputs": [{"ref": "x", "manifest_sha256": "y"}]})
+    assert contract.open_output(part, params={"n": 2}, resume=False, **kw)["params"] == {"n": 2}
+    stray = Dataset.parse("synth/stray", root=tmp_path)
+    stray.path.mkdir(parents=True)
+    (stray.path / ".x.tmp-1").write_text("a killed writer's temp file is not data")
+    contract.open_output(stray, params={}, **kw)
+    (stray.path / "samples.jsonl").write_text("")
+    with pytest.raises(DatasetError, match=r"holds files but no manifest\.json"):
+        contract.open_output(stray, params={}, **kw)
+
+
+def test_atomic_output_names_a_read_only_volume(tmp_path, monkeypatch):
+    def read_only(*a, **k):
+        raise OSError(errno.EROFS, "Read-only file system")
+
+    monkeypatch.setattr(os, "replace", read_only)
+    with pytest.raises(DatasetError, match=r"cannot write .*f\.bin: its volume is read-only"):
+        with contract.atomic_output(tmp_path / "f.bin") as tmp:
+            tmp.write_bytes(b"x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_code_version_is_the_makefile_tag_rule(monkeypatch):
+    # an image's tag less its stage and variant: the string a checkout of that commit records
+    for tag in ("eyas-synth:0123456789ab-dirty", "reg:5000/team/eyas-train:0123456789ab-dirty-cpu"):
+        monkeypatch.setenv("EYAS_IMAGE_TAG", tag)
+        assert contract.code_version() == "0123456789ab-dirty"
+        assert contract.producer_info("01_synth")["image"] == tag
+    monkeypatch.delenv("EYAS_IMAGE_TAG")
+    version = contract.code_version()
+    assert version is None or len(version.removesuffix("-dirty")) >= 12
+
+
+def test_target_text_config_nested_either_way(tmp_path):
+    from eyas_common.checkpoint import read_text_config
+
+    for key in ("text_config", "language_config"):
+        (tmp_path / "config.json").write_text(json.dumps({key: {"hidden_size": 7}, "hidden_size": 1}))
+        assert read_text_config(tmp_path) == {"hidden_size": 7}
+    (tmp_path / "config.json").write_text(json.dumps({"hidden_size": 1}))
+    assert read_text_config(tmp_path)["hidden_size"] == 1
+
+
+def test_samples_reader_refuses_a_bad_line_naming_file_line_and_fix(tmp_path):
+    from eyas_common.samples import SAMPLES, index_samples, new_sample, read_tokens
+
+    path = tmp_path / SAMPLES
+    rows = [new_sample(id=i, prompt_index=i, messages=[], thinking=True, reasoning=None, content="",
+                       prompt_ids=[1, 2], completion_ids=[3] * (i + 1), finish_reason="stop", source="rendered")
+            for i in (1, 0)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    refs = index_samples(path, vocab_size=4)
+    assert [(r.id, r.n_tokens, r.n_masked) for r in refs] == [(0, 3, 1), (1, 4, 2)]
+    assert read_tokens(path, refs)[1] == ([1, 2, 3, 3], [0, 0, 1, 1])
+    with pytest.raises(DatasetError, match=r"samples\.jsonl:1: input_ids outside the target's vocabulary \[0, 3\); "
+                                           r".*eyas-synth validate"):
+        index_samples(path, vocab_size=3)
+    path.write_text(json.dumps(rows[0]) + "\n" + json.dumps(rows[0]) + "\n")
+    with pytest.raises(DatasetError, match=r"samples\.jsonl:2: sample id 1 appears twice"):
+        index_samples(path, vocab_size=4)
+    path.write_text(json.dumps(rows[0]) + "\n{oops\n")
+    with pytest.raises(DatasetError, match=r"samples\.jsonl:2: malformed JSON record .*; the synth dataset is "
+                                           r"corrupted: check it with `eyas-data verify`"):
+        index_samples(path, vocab_size=4)

@@ -17,11 +17,12 @@ from click.testing import CliRunner
 
 from eyas_common.cli import main as data_cli
 from eyas_common.contract import Dataset, DatasetError, JsonlAppender, iter_jsonl, repair_jsonl, verify
-from eyas_common.fixture import write_prompts_jsonl
 from eyas_common.hidden import open_hidden, shard_name
 from eyas_common.lock import WriterLock
 from eyas_common.samples import FAILURES, SAMPLES
-from eyas_synth.stub import start_stub
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.stub import start_stub
+from helpers import rendering_answer
 
 PY = sys.executable
 BIG = 3 << 20  # records larger than the 1 MiB window the old repair looked at
@@ -100,7 +101,7 @@ def prompts(tmp_path_factory) -> Path:
 
 
 def test_all_failed_run_stops_at_once_and_stays_partial(tmp_path, fixture_target, prompts):
-    from eyas_synth.stub import Faults
+    from eyas_testing.stub import Faults
 
     with start_stub(faults=Faults(rates={"500": 1.0})) as stub:
         r = synth_cli(tmp_path, "--prompts", str(prompts), "--name", "dead", "--model", str(fixture_target),
@@ -122,8 +123,6 @@ def test_synth_numeric_options_are_range_checked(tmp_path, fixture_target, promp
 
 
 def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target, prompts, tok):
-    from test_synth import rendering_answer
-
     answer = rendering_answer(tok)
     calls = {"n": 0}
 
@@ -154,8 +153,6 @@ def test_shortfall_needs_allow_missing_and_is_recorded(tmp_path, fixture_target,
 
 def test_rejected_answers_over_budget_keep_the_dataset_partial(tmp_path, fixture_target, prompts, tok):
     """Rejections count against completeness (the old code said `complete` with a third rejected)."""
-    from test_synth import rendering_answer
-
     from eyas_common.samples import shortfall_note
     from eyas_synth.run import run as synth
 
@@ -187,8 +184,6 @@ def test_a_server_that_dies_is_named_by_its_first_error(tmp_path, fixture_target
     connections. The one line names the first error and its body, not only the last ConnectError."""
     import asyncio
 
-    from test_synth import rendering_answer
-
     answer, calls = rendering_answer(tok), {"n": 0}
 
     def crashes(payload):
@@ -215,8 +210,6 @@ def test_a_server_that_dies_is_named_by_its_first_error(tmp_path, fixture_target
 def test_sigterm_mid_run_is_one_line_and_the_rerun_completes(tmp_path, fixture_target, prompts, tok):
     """SIGTERM (docker stop) while requests are in flight: exit 130 with the one resume line, no asyncio
     traceback of a task 'never retrieved' after it, and the same command then finishes the dataset."""
-    from test_synth import rendering_answer
-
     args = ["--prompts", str(prompts), "--name", "term", "--model", str(fixture_target), "--served-model",
             "fixture", "--seed", "0", "--n", "300", "--concurrency", "16"]
     samples = tmp_path / "synth" / "term" / SAMPLES
@@ -237,8 +230,6 @@ def test_sigterm_mid_run_is_one_line_and_the_rerun_completes(tmp_path, fixture_t
 
 
 def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, prompts, tok):
-    from test_synth import rendering_answer
-
     from eyas_synth.run import run as synth
 
     answer, calls = rendering_answer(tok), {"n": 0}
@@ -261,8 +252,6 @@ def test_breaker_stops_a_run_whose_servers_all_died(tmp_path, fixture_target, pr
 
 
 def test_refused_rerun_leaves_the_dataset_byte_identical(tmp_path, fixture_target, prompts, tok):
-    from test_synth import rendering_answer
-
     from eyas_synth.run import run as synth
 
     kw = dict(prompts=prompts, name="done", model=fixture_target, served_model="fixture", seed=0, data_root=tmp_path,
@@ -281,8 +270,6 @@ def test_refused_rerun_leaves_the_dataset_byte_identical(tmp_path, fixture_targe
 
 
 def test_resume_by_other_code_needs_allow_code_change(tmp_path, fixture_target, prompts, tok, monkeypatch):
-    from test_synth import rendering_answer
-
     from eyas_synth.run import run as synth
 
     kw = dict(prompts=prompts, name="mixed", model=fixture_target, served_model="fixture", seed=0, data_root=tmp_path,
@@ -293,11 +280,12 @@ def test_resume_by_other_code_needs_allow_code_change(tmp_path, fixture_target, 
         monkeypatch.setenv("EYAS_IMAGE_TAG", "eyas:new")
         ds = Dataset.parse("mixed", "synth", tmp_path)
         before = tree_bytes(ds.path)
-        with pytest.raises(DatasetError, match=r"written by code version eyas:old, this is eyas:new.*--allow-code-change"):
+        with pytest.raises(DatasetError, match=r"written by code version old, this is new.*--allow-code-change"):
             synth(servers=[stub.url], n=6, **kw)
         assert tree_bytes(ds.path) == before
         synth(servers=[stub.url], n=6, allow_code_change=True, **kw)
-    assert [p["git"] for p in ds.read_manifest()["producers"]] == ["eyas:old", "eyas:new"]
+    producers = ds.read_manifest()["producers"]
+    assert [(p["git"], p["image"]) for p in producers] == [("old", "eyas:old"), ("new", "eyas:new")]
 
 
 def test_prompt_and_model_mistakes_get_one_line(tmp_path, fixture_target):
@@ -367,8 +355,6 @@ def second_writer_refused(root: Path, first: list[str], second: list[str], lock:
 
 @pytest.mark.slow  # concurrent synth processes: not in `make test-fast`
 def test_two_synth_writers_one_refused_then_stale_lock_taken_over(tmp_path, fixture_target, prompts, tok):
-    from test_synth import rendering_answer
-
     with start_stub(answer=rendering_answer(tok)) as stub:
         cmd = [PY, "-m", "eyas_synth.cli", "run", "--quiet", "--prompts", str(prompts), "--name", "race",
                "--model", str(fixture_target), "--server", stub.url, "--n", "30",
@@ -411,8 +397,6 @@ def test_lock_refuses_in_process_too(tmp_path):
 @pytest.fixture(scope="module")
 def chain(tmp_path_factory, fixture_target, tok):
     """synth/c from the stub through the real stage 01, hidden/c from the real stage 02."""
-    from test_synth import rendering_answer
-
     from eyas_extract.run import run as extract
     from eyas_synth.run import run as synth
 
@@ -535,8 +519,6 @@ def test_synth_fits_max_tokens_to_real_vllm_and_stops_on_its_4xx(vllm_server, fi
 
 def test_synth_stats_agree_whether_or_not_the_run_was_interrupted(tmp_path, fixture_target, tok):
     """Stats come from the files: a run stopped half way and resumed reports what one run reports."""
-    from test_synth import rendering_answer
-
     from eyas_synth.run import run as synth
 
     prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 14, seed=3)
@@ -569,10 +551,12 @@ def test_fixture_cache_from_an_installed_package(tmp_path):
     import shutil
 
     import eyas_common
+    import eyas_testing
 
     site = tmp_path / "site-packages"
-    shutil.copytree(Path(eyas_common.__file__).parent, site / "eyas_common")
-    code = "from eyas_common.fixture import _cache_root; print(_cache_root(None))"
+    for package in (eyas_common, eyas_testing):
+        shutil.copytree(Path(package.__file__).parent, site / package.__name__)
+    code = "from eyas_testing.fixture import _cache_root; print(_cache_root(None))"
     base = {k: v for k, v in os.environ.items() if k != "EYAS_CACHE"} | {"PYTHONPATH": str(site),
                                                                          "HOME": str(tmp_path), "XDG_CACHE_HOME": ""}
     out = subprocess.run([PY, "-c", code], env=base, capture_output=True, text=True, cwd=tmp_path)

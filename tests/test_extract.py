@@ -18,16 +18,18 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
-from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt, target_fingerprint
-from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, new_manifest, verify
-from eyas_common.fixture import build_deepseek_fixture, fixture_prompts
-from eyas_common.servers import default_vllm_python
-from eyas_extract.batching import make_batches, plan_shards, SynthLine
+from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.contract import Dataset, DatasetError, verify
+from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.capture import encode, find_parts
 from eyas_extract.config import ExtractConfig
 from eyas_extract.hf_backend import pad_batch
 from eyas_extract.run import run as extract
 from eyas_common.hidden import ShardWriter, bytes_per_token, dequant_aux, open_hidden, shard_layout
+from eyas_common.samples import SampleLine
+from eyas_testing.datasets import make_synth
+from eyas_testing.fixture import build_deepseek_fixture
+from eyas_testing.servers import default_vllm_python
 
 REPO = Path(__file__).resolve().parents[1]
 SYNTH = "synth/fx"
@@ -42,41 +44,6 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
-
-
-def make_synth(root: Path, target: Path, name: str = "fx", n: int = 12, seed: int = 5, max_new_tokens: int = 40
-               ) -> Dataset:
-    """A complete synth dataset from HF greedy answers of the fixture, rendered as eyas-synth renders text."""
-    from transformers import AutoModelForCausalLM
-
-    tok = load_tokenizer(target)
-    chat = ChatTokens.of(tok)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    convs = [p["messages"] for p in fixture_prompts(n, seed)]
-    prompts = [render_prompt(tok, m) for m in convs]
-    width = max(map(len, prompts))
-    ids = torch.tensor([[tok.pad_token_id] * (width - len(p)) + p for p in prompts])
-    with torch.no_grad():
-        out = model.generate(ids, attention_mask=(ids != tok.pad_token_id).long(), max_new_tokens=max_new_tokens,
-                             do_sample=False, eos_token_id=chat.end_of_turn, pad_token_id=tok.pad_token_id)
-    ds = Dataset.parse(name, "synth", root)
-    ds.path.mkdir(parents=True)
-    manifest = new_manifest("synth", stage="01_synth", target=target_fingerprint(tok, target), inputs=[],
-                            params={"made_by": "tests/test_extract.py: HF greedy, rendered"})
-    with JsonlAppender(ds.path / "samples.jsonl") as w:
-        for i, (conv, prompt) in enumerate(zip(convs, prompts, strict=True)):
-            gen = out[i, width:].tolist()
-            ended = chat.end_of_turn in gen
-            gen = gen[: gen.index(chat.end_of_turn)] if ended else gen
-            close = gen.index(chat.think_close) if chat.think_close in gen else len(gen)
-            reasoning, content = tok.decode(gen[:close]), tok.decode(gen[close + 1:])
-            completion = render_completion(tok, prompt, reasoning, content, finished=ended)
-            w.write({"id": i, "prompt_index": i, "messages": conv, "thinking": True, "reasoning": reasoning,
-                     "content": content, "input_ids": prompt + completion,
-                     "loss_mask": [0] * len(prompt) + [1] * len(completion),
-                     "finish_reason": "stop" if ended else "length", "source": "rendered"})
-    finalize(ds, manifest, stats={"samples": n}, records={"samples.jsonl": n})
-    return ds
 
 
 @pytest.fixture(scope="module")
@@ -167,7 +134,7 @@ def test_shard_writer_layout(tmp_path):
 
 
 def test_plan_and_batches():
-    refs = [SynthLine(i, n, 1, 0) for i, n in enumerate([5, 50, 7, 30, 30, 2, 90, 4])]
+    refs = [SampleLine(i, n, 1, 0) for i, n in enumerate([5, 50, 7, 30, 30, 2, 90, 4])]
     shards = plan_shards(refs, shard_samples=3, shard_tokens=80)
     assert [[r.id for r in s] for s in shards] == [[0, 1, 2], [3, 4, 5], [6], [7]]
     lengths = [5, 50, 7, 30, 30, 2, 90, 4]

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas_common import fixture as fx
+from eyas_testing import fixture as fx
 
 
 @pytest.fixture(scope="module")
@@ -129,7 +129,7 @@ def test_prompts_are_held_out_and_deterministic(tmp_path: Path) -> None:
 
 def test_two_processes_write_the_same_prompts_file_at_once(tmp_path: Path) -> None:
     # bench/quality.py's parallel cells each write the held-out prompts: a shared temporary name made one fail
-    code = ("import sys; from eyas_common.fixture import write_prompts_jsonl as w\n"
+    code = ("import sys; from eyas_testing.fixture import write_prompts_jsonl as w\n"
             "for _ in range(40): w(sys.argv[1], 30, seed=11)")
     procs = [subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "p.jsonl")], stderr=subprocess.PIPE,
                               text=True) for _ in range(2)]

@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from eyas_common import fixture as base
+from eyas_testing import fixture as base
 from eyas_common.chat import ChatTokens, render_prompt
-from eyas_common.fixture_qwen3 import QWEN3_CONFIG, _build_tokenizer
+from eyas_testing.fixture_qwen3 import QWEN3_CONFIG, _build_tokenizer
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ from eyas_train.export import write_draft
 from eyas_train.init_draft import init_vocab, read_init_draft
 from eyas_train.train import run as train_run
 
-from test_train_data import build_datasets
+from eyas_testing.datasets import build_datasets
 
 OPTS = {"draft_vocab": 512, "ttt_steps": 3, "batch_size": 4, "lr": 3e-3, "log_every": 1}
 

@@ -1,6 +1,6 @@
-"""The Kimi-K2.5-shaped fixture (eyas_common.fixture_kimi) and the whole chain on it: remote code only
+"""The Kimi-K2.5-shaped fixture (eyas_testing.fixture_kimi) and the whole chain on it: remote code only
 with --trust-remote-code, the tiktoken tokenizer and K2.5 template, the wrapper found by structure,
-synth from eyas_common.hf_server, validate, extract, train (embedding and lm_head from
+synth from eyas_testing.hf_server, validate, extract, train (embedding and lm_head from
 `language_model.*`), eval."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ from safetensors import safe_open
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt
 from eyas_common.contract import Dataset, DatasetError
-from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.fixture_kimi import KIMI_CONFIG, build_kimi_fixture
-from eyas_common.servers import running_hf_server
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.fixture_kimi import KIMI_CONFIG, build_kimi_fixture
+from eyas_testing.servers import running_hf_server
 
 # its fixture is a model trained on first use (about 3 minutes here): not in `make test-fast`
 pytestmark = pytest.mark.slow

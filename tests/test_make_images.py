@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from make_helpers import REPO, dry_lines, make, remote
+from helpers import REPO, dry_lines, make, remote
 
 HADOLINT = Path(sys.executable).parent / "hadolint"
 DOCKERFILES = sorted([REPO / "docker/Dockerfile", *REPO.glob("stages/*/Dockerfile")])

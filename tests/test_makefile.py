@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from make_helpers import REPO, dry_lines, make
+from helpers import REPO, dry_lines, make
 
 MAKEFILE = (REPO / "Makefile").read_text()
 STAGES = "synth extract train serve"

@@ -108,7 +108,7 @@ def test_bad_devices_spec_is_one_line() -> None:
 
 @pytest.fixture(scope="module")
 def root(tmp_path_factory, fixture_target) -> Path:
-    from test_extract import make_synth
+    from eyas_testing.datasets import make_synth
 
     root = tmp_path_factory.mktemp("placement")
     make_synth(root, fixture_target, n=6)

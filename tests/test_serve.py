@@ -19,7 +19,7 @@ import pytest
 from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_results, write_results
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, write_json_atomic
-from eyas_common.servers import default_vllm_python
+from eyas_testing.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command
 from eyas_serve.metrics import SpecCounters, parse_sglang_server_info, parse_vllm_metrics

@@ -21,8 +21,8 @@ import pytest
 
 from eyas_common.bench import read_results
 from eyas_common.contract import Dataset
-from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.servers import free_port
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.servers import free_port
 from eyas_train.eval import evaluate
 
 pytestmark = pytest.mark.vllm
@@ -43,6 +43,13 @@ def marked_pids(marker: str) -> list[int]:
             except OSError:
                 pass
     return pids
+
+
+def requests_running(url: str) -> float:
+    """Requests the engine is working on now, from its /metrics gauge."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:num_requests_running{"))
 
 
 @dataclass
@@ -162,11 +169,12 @@ def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_d
                          env={**os.environ, "EYAS_DATA": str(root)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = Dataset.parse("interrupted", "bench", root).manifest_path
+    # interrupt once the server is working on the bench's first request (400 one at a time last far longer)
     deadline = time.monotonic() + 120
-    while not manifest.exists() and time.monotonic() < deadline:
-        time.sleep(0.5)
-    time.sleep(3)  # requests in flight (400 of them one at a time take far longer than this)
-    assert b.poll() is None, "the bench ended before it could be interrupted"
+    while not (manifest.exists() and requests_running(served.url)) and time.monotonic() < deadline:
+        assert b.poll() is None, "the bench ended before a request was in flight: " + b.stderr.read()[-2000:]
+        time.sleep(0.1)
+    assert b.poll() is None and requests_running(served.url), "no request in flight after 120 s"
     for p in (b, served.proc):
         p.send_signal(signal.SIGINT)
     err = b.communicate(timeout=120)[1]

@@ -19,14 +19,15 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from eyas_common import fixture_smollm2, realprompts
+from eyas_common import realprompts
 from eyas_common.chat import load_tokenizer, render_prompt
 from eyas_common.contract import Dataset, DatasetError, iter_jsonl
-from eyas_common.fixture_smollm2 import build_smollm2_fixture
 from eyas_common.prompts import load_prompts
 from eyas_common.realprompts import write_real_prompts
 from eyas_common.samples import SAMPLES
-from eyas_common.servers import VllmServer, running_vllm
+from eyas_testing import fixture_smollm2
+from eyas_testing.fixture_smollm2 import build_smollm2_fixture
+from eyas_testing.servers import VllmServer, running_vllm
 
 SAMPLES_N, MAX_TOKENS = 24, 96
 DRAFT_VOCAB = 2048        # far under 49,152: d2t/t2d have real gaps
@@ -134,7 +135,7 @@ def test_synth_on_the_real_target_is_token_exact(smollm2_synth: Synth, smollm2_t
 def test_a_draft_for_the_real_target_trains_exports_and_is_accepted_by_vllm(
         smollm2_synth: Synth, smollm2_target: Path) -> None:
     from eyas_extract.run import run as extract
-    from eyas_serve.acceptance import vllm_acceptance
+    from eyas_testing.acceptance import vllm_acceptance
     from eyas_train.train import run as train
 
     root = smollm2_synth.root

@@ -13,14 +13,15 @@ import pytest
 from click.testing import CliRunner
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_completion, render_prompt
-from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, new_manifest
+from eyas_common.contract import Dataset, DatasetError, iter_jsonl
 from eyas_common.chat import target_fingerprint
-from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.samples import validate_sample
+from eyas_common.samples import new_sample, validate_sample, write_dataset
 from eyas_synth.cli import main as synth_cli
 from eyas_common.prompts import load_prompts
 from eyas_synth.run import run as synth
-from eyas_synth.stub import Faults, start_stub, vllm_body
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.stub import Faults, start_stub
+from helpers import rendering_answer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -34,20 +35,13 @@ def sound_sample(tok, sid: int, question: str, reasoning: str, content: str) -> 
     messages = [{"role": "user", "content": question}]
     prompt = render_prompt(tok, messages)
     completion = render_completion(tok, prompt, reasoning, content)
-    return {"id": sid, "prompt_index": sid, "messages": messages, "thinking": True, "reasoning": reasoning,
-            "content": content, "input_ids": prompt + completion,
-            "loss_mask": [0] * len(prompt) + [1] * len(completion), "finish_reason": "stop", "source": "rendered"}
+    return new_sample(id=sid, prompt_index=sid, messages=messages, thinking=True, reasoning=reasoning, content=content,
+                      prompt_ids=prompt, completion_ids=completion, finish_reason="stop", source="rendered")
 
 
 def write_synth(root: Path, name: str, samples: list[dict], tok, model: Path) -> Dataset:
-    ds = Dataset.parse(name, "synth", root)
-    ds.path.mkdir(parents=True)
-    m = new_manifest("synth", stage="test", target=target_fingerprint(tok, model), inputs=[], params={})
-    with JsonlAppender(ds.path / "samples.jsonl") as w:
-        for s in samples:
-            w.write(s)
-    finalize(ds, m, stats={"samples": len(samples)}, records={"samples.jsonl": len(samples)})
-    return ds
+    return write_dataset(Dataset.parse(name, "synth", root), samples, stage="test",
+                         target=target_fingerprint(tok, model), params={})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -142,20 +136,6 @@ def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkey
 
 # ------------------------------------------------------------------------------------------------
 # a fault-injecting server
-
-
-def rendering_answer(tok):
-    """Stub answers shaped like the fixture's (ids rendered with the real tokenizer); every 7th is cut by length."""
-    def answer(payload):
-        msgs = payload["messages"]
-        prompt = render_prompt(tok, msgs, payload["chat_template_kwargs"]["thinking"])
-        q = msgs[-1]["content"]
-        if payload["seed"] % 7 == 3:
-            completion = render_completion(tok, prompt, "I keep thinking about " + q, "", finished=False)
-            return vllm_body("", prompt, completion, reasoning="I keep thinking about " + q, finish_reason="length")
-        reasoning, content = f"The question was {q}", f"The answer to {q}"
-        return vllm_body(content, prompt, render_completion(tok, prompt, reasoning, content), reasoning=reasoning)
-    return answer
 
 
 def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_target, tmp_path):

@@ -6,7 +6,7 @@ import asyncio
 import time
 
 from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy
-from eyas_synth.stub import RETRYABLE_FAULTS, Faults, start_stub
+from eyas_testing.stub import RETRYABLE_FAULTS, Faults, start_stub
 
 FAST = RetryPolicy(max_attempts=8, backoff_s=0.01, max_backoff_s=0.1)
 PAYLOAD = {"model": "eyas-stub", "messages": [{"role": "user", "content": "hi"}], "return_token_ids": True}

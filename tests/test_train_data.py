@@ -1,100 +1,24 @@
 """Stage 03 inputs: hidden shards made by the real stage 02 from the fixture target, read back through
-eyas_common.hidden; the teacher from final states and from top-K; fp8 aux.
-
-The builders below are shared by the other test_train_* modules: greedy answers of the fixture target
-as a synth dataset, and the real `eyas-extract run` over it as the hidden dataset.
+eyas_common.hidden; the teacher from final states and from top-K; fp8 aux. The datasets come from
+eyas_testing.datasets: greedy answers of the fixture target as a synth dataset, and the real
+`eyas-extract run` over it as the hidden dataset.
 """
 
 from __future__ import annotations
 
 import json
-from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from eyas_common.chat import load_tokenizer, render_prompt, target_fingerprint
-from eyas_common.contract import Dataset, JsonlAppender, finalize, iter_jsonl, new_manifest
-from eyas_common.fixture import fixture_prompts
+from eyas_common.contract import Dataset, iter_jsonl
 from eyas_common.hidden import open_hidden
 from eyas_common.samples import SAMPLES
-from eyas_extract.run import run as extract
+from eyas_testing.datasets import build_datasets, extract_hidden
 from eyas_train.data import collate, global_batches, rank_share, token_counts
 from eyas_train.target import Teacher, load_lm_head
 from eyas_train.vocab import build_vocab
-
-# ------------------------------------------------------------------------------------------------
-# builders
-
-
-@torch.no_grad()
-def generate_samples(model_dir: Path, n: int, seed: int, split: str = "train", max_new_tokens: int = 256,
-                     batch: int = 32) -> list[dict[str, Any]]:
-    """Synth-format samples: the fixture target's greedy answers (HF, fp32) to `n` fixture prompts."""
-    from transformers import AutoModelForCausalLM
-
-    tok = load_tokenizer(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    eot = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = fixture_prompts(n, seed, split)
-    out = []
-    for i0 in range(0, n, batch):
-        chunk = prompts[i0:i0 + batch]
-        ids = [render_prompt(tok, p["messages"]) for p in chunk]
-        width = max(map(len, ids))
-        # Left padding so that every row generates from its own last prompt token.
-        x = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
-        att = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
-        gen = model.generate(x, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=tok.pad_token_id)[:, width:].tolist()
-        for j, (p, prompt, completion) in enumerate(zip(chunk, ids, gen)):
-            finished = eot in completion
-            completion = completion[:completion.index(eot) + 1] if finished else completion
-            text = tok.decode(completion, skip_special_tokens=False)
-            reasoning, _, content = text.partition("</think>")
-            out.append({"id": i0 + j, "prompt_index": i0 + j, "messages": p["messages"], "thinking": True,
-                        "reasoning": reasoning, "content": content.replace("<|im_end|>", ""),
-                        "input_ids": prompt + completion, "loss_mask": [0] * len(prompt) + [1] * len(completion),
-                        "finish_reason": "stop" if finished else "length", "source": "server"})
-    return out
-
-
-def write_synth(root: Path, name: str, samples: list[dict[str, Any]], model_dir: Path) -> Dataset:
-    ds = Dataset.parse(name, "synth", root)
-    ds.path.mkdir(parents=True, exist_ok=True)
-    m = new_manifest("synth", stage="test", target=target_fingerprint(load_tokenizer(model_dir), model_dir),
-                     inputs=[], params={"temperature": 0.0, "generator": "hf-greedy"})
-    with JsonlAppender(ds.path / SAMPLES) as w:
-        for s in samples:
-            w.write(s)
-    finalize(ds, m, stats={"samples": len(samples)}, records={SAMPLES: len(samples)})
-    return ds
-
-
-def extract_hidden(root: Path, name: str, synth: Dataset, model_dir: Path, *, teacher: str = "final", topk: int = 8,
-                   aux_dtype: str = "bf16", per_shard: int = 64) -> Dataset:
-    """The hidden dataset made by the real stage 02 (hf backend, CPU) from `synth`."""
-    extract(synth=synth.ref, model=model_dir, name=name, teacher=teacher, topk=topk, aux_dtype=aux_dtype,
-            shard_samples=per_shard, data_root=root, progress=False)
-    return Dataset.parse(name, "hidden", root)
-
-
-def build_datasets(root: Path, model_dir: Path, n: int, seed: int = 0, **extract: Any) -> Dataset:
-    """synth/fixture_N + hidden/fixture_N under `root`, made once (reused when already complete)."""
-    name = f"fixture_{n}_{seed}" + "".join(f"_{v}" for v in extract.values())
-    hidden = Dataset.parse(name, "hidden", root)
-    if hidden.exists() and hidden.read_manifest()["status"] == "complete":
-        return hidden
-    synth = Dataset.parse(f"fixture_{n}_{seed}", "synth", root)
-    if not (synth.exists() and synth.read_manifest()["status"] == "complete"):
-        synth = write_synth(root, synth.name, generate_samples(model_dir, n, seed), model_dir)
-    return extract_hidden(root, name, synth, model_dir, **extract)
-
-
-# ------------------------------------------------------------------------------------------------
-# tests
 
 
 @pytest.fixture(scope="module")

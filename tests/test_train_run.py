@@ -18,12 +18,12 @@ from click.testing import CliRunner
 from safetensors.torch import load_file
 
 from eyas_common.contract import Dataset, DatasetError, verify
-from eyas_common.fixture import write_prompts_jsonl
+from eyas_testing.fixture import write_prompts_jsonl
 from eyas_train.cli import main as train_cli
 from eyas_train.eval import evaluate
 from eyas_train.train import export_checkpoint
 
-from test_train_data import build_datasets
+from eyas_testing.datasets import build_datasets
 
 BIN = Path(sys.executable).parent
 # 24 samples, batch 4: 6 steps per epoch (no validation slice: these tests compare runs step by step).
@@ -108,7 +108,7 @@ def test_refuses_changed_settings_on_resume(data, fixture_target, monkeypatch):
     m["status"] = "partial"  # as if the run had been killed after its last checkpoint
     ds.write_manifest(m)
     r = CliRunner().invoke(train_cli, cmd(hidden, fixture_target, "changed", "--epochs", "1", "--lr", "1e-2"))
-    assert r.exit_code != 0 and "lr: 0.003 -> 0.01" in r.output
+    assert r.exit_code != 0 and "lr=0.003 (now 0.01)" in r.output
 
 
 def run_cli(args: list[str], root: Path, procs: int = 1) -> subprocess.CompletedProcess:

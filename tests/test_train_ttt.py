@@ -11,31 +11,11 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file
 
+from helpers import V, VD, tiny
 from eyas_train.eval import propose
 from eyas_train.export import NAME_MAP, NOT_EXPORTED, exported_tensors, hf_config, imported_state, write_draft
-from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.ttt import ChainAttention, UnrolledLoss, shift, step_counts, ttt_attention
 from eyas_train.vocab import build_vocab, count_tokens
-
-V, VD = 40, 24
-
-
-def tiny(norm_before_residual: bool = False, seed: int = 0) -> Eagle3Draft:
-    cfg = DraftConfig(vocab_size=V, draft_vocab_size=VD, hidden_size=16, target_hidden_size=16, num_aux=3,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=24,
-                      rms_norm_eps=1e-6, max_position_embeddings=64, norm_before_residual=norm_before_residual)
-    d = Eagle3Draft(cfg).double()
-    d.init_weights(seed)
-    with torch.no_grad():
-        d.embed.weight.normal_(generator=torch.Generator().manual_seed(seed + 1))
-        # weights at init are small (0.02); scale up so attention patterns are far from uniform
-        for p in d.parameters():
-            if p.requires_grad and p.dim() == 2:
-                p.mul_(20)
-    vocab = build_vocab(torch.arange(V).flip(0), VD)
-    d.d2t.copy_(vocab.d2t)
-    d.t2d.copy_(vocab.t2d)
-    return d
 
 
 def batch(seed: int = 0, lengths=(9, 6, 1)):

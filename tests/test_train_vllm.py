@@ -11,8 +11,8 @@ import json
 import pytest
 
 from eyas_common.contract import Dataset
-from eyas_common.fixture import write_prompts_jsonl
-from eyas_serve.acceptance import vllm_acceptance
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.acceptance import vllm_acceptance
 from eyas_train.train import run as train
 
 

@@ -11,8 +11,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from eyas_common import fixture as fx
-from eyas_common.servers import VllmServer, start_vllm, stop, wait_healthy
+from eyas_testing import fixture as fx
+from eyas_testing.servers import VllmServer, start_vllm, stop, wait_healthy
 
 
 @pytest.fixture(scope="module")

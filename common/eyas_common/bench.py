@@ -25,7 +25,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, finalize, input_ref, new_manifest, open_input,
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, finalize, input_ref, open_input, open_output,
                                   write_json_atomic)
 
 RESULTS, PLOT = "results.json", "bench.png"
@@ -49,12 +49,9 @@ def start(name: str, *, draft: str | None, params: dict[str, Any], root: Path | 
     A partial one (an interrupted run) is started again from scratch.
     """
     out = Dataset.parse(name, "bench", root)
-    if out.exists() and out.read_manifest().get("status") == "complete":
-        raise DatasetError(f"{out.ref} is already complete; choose another --name, or delete it with "
-                           f"`eyas-data rm {out.ref}` to measure again")
     draft_ds, draft_m = open_input(draft, "drafts", root=root) if draft else (None, None)
-    manifest = new_manifest("bench", stage=STAGE, target=(draft_m or {}).get("target"),
-                            inputs=lineage(draft_ds, draft_m), params=params)
+    manifest = open_output(out, stage=STAGE, params=params, may_change=(), target=(draft_m or {}).get("target"),
+                           inputs=lineage(draft_ds, draft_m), resume=False)
     out.path.mkdir(parents=True, exist_ok=True)
     (out.path / RESULTS).unlink(missing_ok=True)  # a partial run's leftovers are not results
     out.write_manifest(manifest)

@@ -1,9 +1,12 @@
-"""eyas-data: look at, verify and delete datasets under the data root; build the offline fixture."""
+"""eyas-data: look at, verify and delete datasets under the data root; build the offline fixture (with the
+testing package, eyas_testing, which no stage image ships)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 from pathlib import Path
+from types import ModuleType
 
 import click
 
@@ -66,6 +69,19 @@ def rm(ref: str, yes: bool, dry_run: bool) -> None:
     click.echo(remove(ds))
 
 
+def testing_module(name: str) -> ModuleType:
+    """eyas_testing.NAME, imported only when asked for: the fixtures are test scaffolding, installed by
+    `make install` in a checkout and absent from the stage images."""
+    try:
+        return importlib.import_module(f"eyas_testing.{name}")
+    except ModuleNotFoundError as e:
+        if e.name != "eyas_testing":
+            raise
+        hint = ("the fixture builders come with the testing package eyas-testing, which is not installed here: "
+                "run `make install` (or `pip install -e testing`) in a checkout")
+        raise click.ClickException(hint) from None
+
+
 @main.command()
 @click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
 @click.option("--kind", "--arch", "arch", type=click.Choice(["llama", "deepseek", "kimi-k25", "smollm2"]),
@@ -81,16 +97,13 @@ def rm(ref: str, yes: bool, dry_run: bool) -> None:
 def fixture(out: Path, arch: str, seed: int, dtype: str) -> None:
     """Build an offline target (cached by content hash) into OUT."""
     if arch == "smollm2":
-        from eyas_common.fixture_smollm2 import build_smollm2_fixture
-
-        click.echo(str(build_smollm2_fixture(out, dtype=dtype)))
+        click.echo(str(testing_module("fixture_smollm2").build_smollm2_fixture(out, dtype=dtype)))
         return
     if dtype != "fp32":
         raise click.BadParameter("only the smollm2 target takes another dtype", param_hint="--dtype")
-    from eyas_common.fixture import build_deepseek_fixture, build_fixture
-    from eyas_common.fixture_kimi import build_kimi_fixture
-
-    builders = {"llama": build_fixture, "deepseek": build_deepseek_fixture, "kimi-k25": build_kimi_fixture}
+    base, kimi = testing_module("fixture"), testing_module("fixture_kimi")
+    builders = {"llama": base.build_fixture, "deepseek": base.build_deepseek_fixture,
+                "kimi-k25": kimi.build_kimi_fixture}
     click.echo(str(builders[arch](out, seed=seed)))
 
 
@@ -110,9 +123,7 @@ def fixture(out: Path, arch: str, seed: int, dtype: str) -> None:
 def prompts(out: Path, set_name: str, n: int, seed: int, split: str) -> None:
     """Write N prompts (OpenAI `messages` JSONL); the held-out split is disjoint from the training one."""
     if set_name == "fixture":
-        from eyas_common.fixture import write_prompts_jsonl
-
-        write_prompts_jsonl(out, n, seed, split)
+        testing_module("fixture").write_prompts_jsonl(out, n, seed, split)
         click.echo(f"wrote {n} prompts to {out}")
         return
     from eyas_common.realprompts import questions, write_real_prompts

@@ -5,7 +5,9 @@ says what the folder is (`schema`), whether it is finished (`status`), who made 
 what (`inputs`, with the sha256 of each input's manifest), for which target (`target` fingerprints),
 how (`params`), what it holds (`files`: bytes, sha256, records) and what was measured (`stats`).
 Every consumer goes through `open_input`, which refuses an unknown schema, a partial dataset or a
-target mismatch with a message that names the dataset and the fix.
+target mismatch with a message that names the dataset and the fix; every producer through `open_output`,
+the one create-or-resume rule. Every file is written by `atomic_output` (or appended by JsonlAppender),
+and every producer records `code_version()`.
 """
 
 from __future__ import annotations
@@ -20,9 +22,12 @@ import shutil
 import socket
 import subprocess
 import sys
+from collections.abc import Collection, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import cache
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, NoReturn
 
 from eyas_common import __version__
 
@@ -119,13 +124,22 @@ def now_iso() -> str:
 
 # ---------------------------------------------------------------------------------------------
 # Atomic writes: temp file in the same folder, fsync, rename, fsync the folder. A killed writer
-# leaves either the old file or the new one, never a torn one. A full disk is named, not hidden.
+# leaves either the old file or the new one, never a torn one. A full or read-only volume is named,
+# not hidden: every writer of a dataset file goes through `atomic_output` (or `raise_write_error`).
 
 
-def _disk_full(path: Path, e: OSError) -> DatasetError:
-    free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-    return DatasetError(f"disk full while writing {path} ({free / 1e9:.2f} GB free on its volume): "
-                        f"free space or point EYAS_DATA at a larger volume, then rerun; finished files are kept")
+def raise_write_error(path: Path, e: OSError) -> NoReturn:
+    """Raise a full or read-only volume as the contract's one-line error, naming the path and the fix; any
+    other OSError as it is. Called from the `except OSError` of every writer of dataset files."""
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
+        raise DatasetError(f"disk full while writing {path} ({free / 1e9:.2f} GB free on its volume): free space "
+                           f"or point EYAS_DATA at a larger volume, then rerun the same command; finished files are "
+                           f"kept") from e
+    if e.errno == errno.EROFS:
+        raise DatasetError(f"cannot write {path}: its volume is read-only; point EYAS_DATA (or the path) at a "
+                           f"writable one") from e
+    raise e
 
 
 def fsync_dir(path: Path) -> None:
@@ -136,30 +150,59 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: Path, data: bytes | str) -> None:
+def temp_path(path: Path) -> Path:
+    """Where `path` is written before its rename: a dot file beside it, named after this process."""
+    return path.with_name(f".{path.name}.tmp-{os.getpid()}")
+
+
+def temp_files(path: Path) -> list[Path]:
+    """The temp files of `path` left by any process (a killed writer's)."""
+    return sorted(path.parent.glob(f".{path.name}.tmp-*"))
+
+
+def is_temp(path: Path) -> bool:
+    return path.name.startswith(".") and ".tmp-" in path.name
+
+
+def commit_temp(tmp: Path, path: Path) -> None:
+    """fsync the finished temp file, rename it onto `path`, fsync the folder: the last step of every atomic write."""
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
+@contextmanager
+def atomic_output(path: Path) -> Iterator[Path]:
+    """A temp path beside `path` for the caller to write (with any library); on a clean exit it becomes `path`
+    (commit_temp). On an error the temp file is removed and the old file stays; a full or read-only volume
+    is raised as the contract's one-line error."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = temp_path(path)
     try:
-        with open(tmp, "wb") as f:
-            f.write(data.encode() if isinstance(data, str) else data)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        yield tmp
+        commit_temp(tmp, path)
     except OSError as e:
         tmp.unlink(missing_ok=True)
-        if e.errno == errno.ENOSPC:
-            raise _disk_full(path, e) from e
+        raise_write_error(path, e)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
         raise
+
+
+def atomic_write(path: Path, data: bytes | str) -> None:
+    with atomic_output(path) as tmp, open(tmp, "wb") as f:
+        f.write(data.encode() if isinstance(data, str) else data)
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:
     atomic_write(path, json.dumps(obj, indent=2, sort_keys=False) + "\n")
 
 
-def is_temp(path: Path) -> bool:
-    return path.name.startswith(".") and ".tmp-" in path.name
+def write_jsonl_atomic(path: Path, records: Iterable[dict[str, Any]]) -> None:
+    """A whole JSONL file at once (records as JsonlAppender writes them), replacing the old one atomically."""
+    atomic_write(path, b"".join(map(_jsonl_line, records)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -208,31 +251,44 @@ def repair_jsonl(path: Path) -> int:
         return size - keep
 
 
-def iter_jsonl(path: Path, *, torn_end_ok: bool = False) -> Iterator[tuple[int, dict[str, Any]]]:
-    """(line number, record) for each line; a malformed line raises naming file and line.
+def iter_jsonl(path: Path, *, torn_end_ok: bool = False, fix: str = "") -> Iterator[tuple[int, dict[str, Any]]]:
+    """(line number, record) for each line; a malformed line raises naming file, line and (`fix`) what to do.
 
     torn_end_ok: skip an unparsable last line (what repair_jsonl would cut) instead of raising, to read
     a file left by a killed writer without changing it.
     """
+    for lineno, _, record in iter_jsonl_at(path, torn_end_ok=torn_end_ok, fix=fix):
+        yield lineno, record
+
+
+def iter_jsonl_at(path: Path, *, torn_end_ok: bool = False, fix: str = "") -> Iterator[tuple[int, int, Any]]:
+    """iter_jsonl with each line's byte offset: (line number, offset, record), to read a record again alone."""
     with open(path, "rb") as f:
         pending: tuple[int, bytes, Exception] | None = None
+        pos = 0
         for lineno, line in enumerate(f, 1):
+            start, pos = pos, pos + len(line)
             if pending is not None:
-                raise _malformed(path, *pending)
+                raise _malformed(path, *pending, fix)
             if not line.strip():
                 continue
             try:
-                yield lineno, json.loads(line)
+                yield lineno, start, json.loads(line)
             except (json.JSONDecodeError, UnicodeDecodeError) as e:
                 pending = (lineno, line, e)
         if pending is not None and not torn_end_ok:
-            raise _malformed(path, *pending)
+            raise _malformed(path, *pending, fix)
 
 
-def _malformed(path: Path, lineno: int, line: bytes, e: Exception) -> DatasetError:
+def _malformed(path: Path, lineno: int, line: bytes, e: Exception, fix: str) -> DatasetError:
     where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
     what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-    return DatasetError(f"{path}:{lineno}: malformed JSON record ({what}{where})")
+    return DatasetError(f"{path}:{lineno}: malformed JSON record ({what}{where}){'; ' + fix if fix else ''}")
+
+
+def _jsonl_line(record: dict[str, Any]) -> bytes:
+    """One record as a JSONL line: compact JSON and a newline."""
+    return (json.dumps(record, separators=(",", ":")) + "\n").encode()
 
 
 class JsonlAppender:
@@ -247,16 +303,13 @@ class JsonlAppender:
         self.sync_every = sync_every
 
     def write(self, record: dict[str, Any]) -> None:
-        line = (json.dumps(record, separators=(",", ":")) + "\n").encode()
         try:
-            self._f.write(line)
+            self._f.write(_jsonl_line(record))
             self._pending += 1
             if self._pending >= self.sync_every:
                 self.sync()
         except OSError as e:
-            if e.errno == errno.ENOSPC:
-                raise _disk_full(self.path, e) from e
-            raise
+            raise_write_error(self.path, e)
 
     def sync(self) -> None:
         self._f.flush()
@@ -287,13 +340,30 @@ def sha256_file(path: Path, chunk: int = 1 << 22) -> str:
     return h.hexdigest()
 
 
-def _git_sha() -> str | None:
-    if tag := os.environ.get("EYAS_IMAGE_TAG"):
-        return tag
+def code_version() -> str | None:
+    """The version of the code that writes, as producers record it and resumes compare it.
+
+    In a checkout: the Makefile's TAG rule, the 12-character git sha with `-dirty` when tracked files are
+    modified, so two runs of one commit with different local edits are told apart. In an image: the same
+    string, read from its tag ($EYAS_IMAGE_TAG = eyas-STAGE:TAG, set at build time) less the variant suffix
+    `-cpu`, so a dataset started from a checkout resumes in an image of the same commit (the image itself is
+    recorded as the producer's `image`). None outside a git checkout.
+    """
+    image = os.environ.get("EYAS_IMAGE_TAG")
+    if image:
+        return image.rpartition(":")[2].removesuffix("-cpu")
+    return _checkout_version()
+
+
+@cache  # the code a process runs is the one it started with
+def _checkout_version() -> str | None:
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=Path(__file__).parent, capture_output=True, text=True,
+                              timeout=5, check=True).stdout.strip()
+
     try:
-        out = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], cwd=Path(__file__).parent,
-                             capture_output=True, text=True, timeout=5)
-        return out.stdout.strip() or None
+        sha = git("rev-parse", "--short=12", "HEAD")
+        return sha + ("-dirty" if git("status", "--porcelain", "--untracked-files=no") else "")
     except (OSError, subprocess.SubprocessError):
         return None
 
@@ -302,16 +372,12 @@ def producer_info(stage: str) -> dict[str, Any]:
     return {
         "stage": stage,
         "version": __version__,
-        "git": _git_sha(),
+        "git": code_version(),
+        **({"image": os.environ["EYAS_IMAGE_TAG"]} if os.environ.get("EYAS_IMAGE_TAG") else {}),
         "host": socket.gethostname(),
         "python": platform.python_version(),
         "argv": sys.argv,
     }
-
-
-def code_version() -> str | None:
-    """What code writes: the image tag ($EYAS_IMAGE_TAG) in images, else the checkout's git sha."""
-    return _git_sha()
 
 
 def add_producer(ds: Dataset, manifest: dict[str, Any], stage: str, *, allow_code_change: bool) -> None:
@@ -330,13 +396,17 @@ def add_producer(ds: Dataset, manifest: dict[str, Any], stage: str, *, allow_cod
     producers.append(me | {"started": now_iso()})
 
 
-def changed_params(old: dict[str, Any], new: dict[str, Any], *, may_change: tuple[str, ...]) -> list[str]:
+CHANGE = "{key}={old!r} (now {new!r})"  # how a refusal names a changed param
+
+
+def changed_params(old: dict[str, Any], new: dict[str, Any], *, may_change: Collection[str],
+                   ) -> list[str]:
     """`key=old (now new)` for every param a resume may not change.
 
     The one resume convention: a stage lists what MAY change; everything else must match, so a setting
     added later is checked by default.
     """
-    return [f"{k}={old.get(k)!r} (now {new.get(k)!r})" for k in sorted(set(old) | set(new))
+    return [CHANGE.format(key=k, old=old.get(k), new=new.get(k)) for k in sorted(set(old) | set(new))
             if k not in may_change and old.get(k) != new.get(k)]
 
 
@@ -360,6 +430,57 @@ def new_manifest(kind: str, *, stage: str, target: dict[str, Any] | None, inputs
         "created": now_iso(),
         "updated": now_iso(),
     }
+
+
+def open_output(ds: Dataset, *, stage: str, params: dict[str, Any], may_change: Collection[str],
+                target: dict[str, Any] | None, inputs: list[dict[str, str]], allow_code_change: bool = False,
+                complete: str = "refuse", resume: bool = True, made_with: dict[str, Any] | None = None,
+                fix: str = "resume it with the same options, or pick another --name"
+                ) -> dict[str, Any]:
+    """The manifest a stage writes its output `ds` with: a new one, or the existing one once a rerun has
+    passed every check. Writes nothing (the caller writes it once its own checks have passed too).
+
+    The one create-or-resume rule of every stage:
+    - a folder holding files but no manifest is refused: it is not a dataset, or one whose manifest was lost;
+    - a complete dataset is refused (complete="refuse"), returned unchanged after the checks below ("keep":
+      the caller reports it done), or resumed like a partial one ("extend": synth's larger --n);
+    - a partial one is resumed. Its inputs (with the sha256 of each input's manifest), target and params must
+      be what this run has: every param but the stage's one `may_change` list (where things are, how hard to
+      push), compared with `made_with` (default: the manifest's params). A refusal names each differing param
+      (CHANGE: key=old (now new)), then `fix`. This run joins its producers (another code version only with
+      allow_code_change) and its params become `params`;
+    - resume=False: nothing of a partial dataset can be resumed (train before its first checkpoint, a bench
+      run), so it starts over with a new manifest.
+    """
+    if not ds.exists():
+        leftovers = ds.path.exists() and (not ds.path.is_dir() or any(p.is_file() and not is_temp(p)
+                                                                     for p in ds.path.rglob("*")))
+        if leftovers:
+            raise DatasetError(f"{ds.ref}: {ds.path} holds files but no {MANIFEST}; delete it "
+                               f"(`eyas-data rm {ds.ref}`) or pick another --name")
+        return new_manifest(ds.kind, stage=stage, target=target, inputs=inputs, params=params)
+    manifest = ds.read_manifest()
+    check_schema(ds, manifest)
+    done = manifest.get("status") == "complete"
+    if done and complete == "refuse":
+        raise DatasetError(f"{ds.ref} is already complete; choose another --name, or delete it with "
+                           f"`eyas-data rm {ds.ref}` and rerun {REMAKE[ds.kind]}")
+    if not (done or resume):
+        return new_manifest(ds.kind, stage=stage, target=target, inputs=inputs, params=params)
+    if (manifest.get("inputs") or []) != inputs:
+        raise DatasetError(f"{ds.ref} was started from {[i.get('ref') for i in manifest.get('inputs') or []]}, not "
+                           f"from {[i['ref'] for i in inputs]} as they are now (an input's manifest changed since); "
+                           f"delete it (`eyas-data rm {ds.ref}`) or pick another --name")
+    check_target(ds, manifest, target or {})
+    changed = changed_params(manifest.get("params", {}) if made_with is None else made_with, params,
+                             may_change=may_change)
+    if changed:
+        raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; {fix}")
+    if done and complete == "keep":
+        return manifest
+    add_producer(ds, manifest, stage, allow_code_change=allow_code_change)
+    manifest["params"] = params
+    return manifest
 
 
 def describe_files(ds: Dataset, records: dict[str, int] | None = None) -> list[dict[str, Any]]:

@@ -17,11 +17,10 @@ The serving folder is config.json + model.safetensors: exactly what vLLM's and S
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import REMAKE, DatasetError, fsync_dir, write_json_atomic
+from eyas_common.contract import REMAKE, DatasetError, atomic_output, write_json_atomic
 
 CONFIG_FILE, WEIGHTS_FILE = "config.json", "model.safetensors"
 LOG_FILE, PLOT_FILE, CKPT_DIR = "train_log.jsonl", "training.png", "checkpoints"
@@ -31,6 +30,12 @@ ARCHITECTURE = "LlamaForCausalLMEagle3"
 REQUIRED_CONFIG = {"architectures": list, "hidden_size": int, "num_attention_heads": int, "num_key_value_heads": int,
                    "intermediate_size": int, "vocab_size": int, "draft_vocab_size": int, "target_hidden_size": int,
                    "eagle_aux_hidden_state_layer_ids": list, "eagle_config": dict}
+
+
+# The same for a DFlash draft (docs/interop.md): its vLLM/SGLang loaders read these.
+DFLASH_REQUIRED_CONFIG = {"architectures": list, "hidden_size": int, "num_hidden_layers": int,
+                          "num_attention_heads": int, "num_key_value_heads": int, "intermediate_size": int,
+                          "vocab_size": int, "target_hidden_size": int, "block_size": int, "dflash_config": dict}
 
 
 def checkpoint_name(step: int) -> str:
@@ -46,15 +51,9 @@ def write_weights(folder: Path, tensors: dict[str, Any], config: dict[str, Any])
     """model.safetensors then config.json, each atomically (temp file, fsync, rename)."""
     from safetensors.torch import save_file
 
-    folder = Path(folder)
-    folder.mkdir(parents=True, exist_ok=True)
-    tmp = folder / f".{WEIGHTS_FILE}.tmp-{os.getpid()}"
-    save_file(tensors, str(tmp), metadata={"format": "pt"})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, folder / WEIGHTS_FILE)
-    fsync_dir(folder)
-    write_json_atomic(folder / CONFIG_FILE, config)
+    with atomic_output(Path(folder) / WEIGHTS_FILE) as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_json_atomic(Path(folder) / CONFIG_FILE, config)
 
 
 def read_config(folder: Path) -> dict[str, Any]:
@@ -69,11 +68,27 @@ def read_config(folder: Path) -> dict[str, Any]:
         raise DatasetError(f"{path}: not valid JSON ({e}); {fix}") from None
     if not isinstance(cfg, dict):
         raise DatasetError(f"{path}: not a JSON object; {fix}")
-    bad = [f"{k} ({t.__name__})" for k, t in REQUIRED_CONFIG.items() if not isinstance(cfg.get(k), t)]
+    dflash = cfg.get("architectures") == [DFLASH_ARCHITECTURE]
+    required = DFLASH_REQUIRED_CONFIG if dflash else REQUIRED_CONFIG
+    bad = [f"{k} ({t.__name__})" for k, t in required.items() if not isinstance(cfg.get(k), t)]
     if bad:
         raise DatasetError(f"{path}: missing or mistyped keys {', '.join(bad)}; {fix}")
-    if cfg["architectures"] != [ARCHITECTURE]:
+    if not dflash and cfg["architectures"] != [ARCHITECTURE]:
         raise DatasetError(f"{path}: architectures {cfg['architectures']}, expected [{ARCHITECTURE!r}]; {fix}")
     if not (Path(folder) / WEIGHTS_FILE).is_file():
         raise DatasetError(f"{Path(folder) / WEIGHTS_FILE}: missing; {fix}")
     return cfg
+
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"  # a DFlash draft folder (docs/interop.md, "DFlash drafts")
+
+
+def draft_method(folder: Path) -> str:
+    """The speculative method a draft folder is served with: "dflash" for a DFlash draft, else "eagle3"
+    (read from its config.json's architectures; a folder without one is taken as EAGLE-3, whose reader
+    then says what is missing)."""
+    try:
+        arch = json.loads((Path(folder) / CONFIG_FILE).read_text()).get("architectures")
+    except (OSError, ValueError, AttributeError):
+        return "eagle3"
+    return "dflash" if arch == [DFLASH_ARCHITECTURE] else "eagle3"

@@ -19,6 +19,8 @@ Shard i holds, for its S samples (ascending sample id) and their T tokens in tot
     sample_ids     [S]           int64, the synth sample ids
 Row t of a sample holds the states computed at position t (they predict token t+1); nothing is shifted.
 
+Writing (stage 02): `ShardWriter` fills a shard of known layout and renames it into place, `write_run`
+records a worker's run; finalizing reads them back with `missing_shards`, `count_shard` and `read_runs`.
 Reading: `open_hidden(ref)` refuses a partial, unknown or missing dataset, then `HiddenShards` opens
 exactly the shards the manifest lists, after checking each one's size (and sha256 when the dataset is
 small enough to hash quickly) and that no unlisted file sits in the folder. Handles are opened
@@ -38,11 +40,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eyas_common.contract import MANIFEST, REMAKE, Dataset, DatasetError, fsync_dir, is_temp, open_input, sha256_file
+from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, open_input,
+                                  raise_write_error, sha256_file, temp_path, write_json_atomic)
 
 FORMAT = "eyas.hidden/1"
 RUNS = "runs"
-SHARD_GLOB = "shard-*.safetensors"
 # The one map from the dtype names eyas's options and manifests use to torch dtypes.
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32, "fp8": torch.float8_e4m3fn}
 # Torch's own spellings, as ExtractConfig.dtype and HF configs write them.
@@ -65,6 +67,21 @@ def shard_name(i: int) -> str:
 
 def runs_file(worker: int, workers: int) -> str:
     return f"{RUNS}/worker-{worker:03d}-of-{workers:03d}.json"
+
+
+def write_run(ds: Dataset, worker: int, workers: int, stats: dict[str, Any]) -> None:
+    """Record one extraction worker's last run (tokens, seconds, host), replacing its previous record."""
+    write_json_atomic(ds.path / runs_file(worker, workers), stats)
+
+
+def read_runs(ds: Dataset) -> list[dict[str, Any]]:
+    """Every worker's last run, in worker order."""
+    return [json.loads(p.read_text()) for p in sorted((ds.path / RUNS).glob("worker-*-of-*.json"))]
+
+
+def missing_shards(ds: Dataset, num_shards: int) -> list[int]:
+    """The shard indices of [0, num_shards) with no final file yet."""
+    return [j for j in range(num_shards) if not (ds.path / shard_name(j)).exists()]
 
 
 def row_tensors(cfg: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -129,7 +146,7 @@ class ShardWriter:
 
     def __init__(self, path: Path, cfg: Any, sample_ids: list[int], lengths: list[int]):
         self.path = Path(path)
-        self.tmp = self.path.with_name(f".{self.path.name}.tmp-{os.getpid()}")
+        self.tmp = temp_path(self.path)
         self.starts = [0]
         for n in lengths:
             self.starts.append(self.starts[-1] + n)
@@ -142,7 +159,7 @@ class ShardWriter:
         except OSError as e:
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
                 self.abort()
-                raise _disk_error(self.path, e) from e
+                raise_write_error(self.path, e)
             os.ftruncate(self.fd, self.layout.size)
         self._pwrite(self.layout.header, 0)
         self.put("offsets", 0, torch.tensor(self.starts, dtype=torch.int64))
@@ -154,7 +171,7 @@ class ShardWriter:
             try:
                 n = os.pwrite(self.fd, view, offset)
             except OSError as e:
-                raise _disk_error(self.path, e) from e
+                raise_write_error(self.path, e)
             view, offset = view[n:], offset + n
 
     def put(self, name: str, row: int, t: torch.Tensor) -> None:
@@ -170,25 +187,22 @@ class ShardWriter:
     def commit(self) -> int:
         if self._todo:
             raise RuntimeError(f"{self.path.name}: samples {sorted(self._todo)[:5]} were never written")
-        os.fsync(self.fd)
         os.close(self.fd)
-        os.replace(self.tmp, self.path)
-        fsync_dir(self.path.parent)
+        self.fd = -1  # closed: abort() must not close a number the OS may have given to another file
+        try:
+            commit_temp(self.tmp, self.path)
+        except OSError as e:
+            raise_write_error(self.path, e)
         return self.layout.size
 
     def abort(self) -> None:
-        try:
-            os.close(self.fd)
-        except OSError:
-            pass
+        if self.fd >= 0:
+            try:
+                os.close(self.fd)
+            except OSError:
+                pass
+            self.fd = -1
         self.tmp.unlink(missing_ok=True)
-
-
-def _disk_error(path: Path, e: OSError) -> Exception:
-    if e.errno == errno.ENOSPC:
-        return DatasetError(f"disk full while writing {path}: free space or point EYAS_DATA at a larger volume, "
-                            f"then rerun the same command (finished shards are kept)")
-    return e
 
 
 # ---------------------------------------------------------------------------------------------
@@ -257,6 +271,33 @@ def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH
     return [ds.path / j for j in names]
 
 
+def open_shard(ds: Dataset, path: Path) -> Any:
+    """A shard's safetensors handle (tensors read lazily, through mmap), refused in one line when unreadable."""
+    try:
+        return safe_open(path, "pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        raise DatasetError(f"{ds.ref}: {path.name} is not a readable safetensors file ({e}); "
+                           f"rerun {REMAKE['hidden']}") from None
+
+
+@dataclass(frozen=True)
+class ShardCounts:
+    """What one shard holds, as the manifest's stats and records count it."""
+
+    samples: int
+    tokens: int
+    masked_tokens: int
+    bytes: int
+
+
+def count_shard(ds: Dataset, j: int) -> ShardCounts:
+    """Samples, tokens and loss-masked tokens of shard j, read from its offsets and mask alone."""
+    path = ds.path / shard_name(j)
+    h = open_shard(ds, path)
+    offsets = h.get_tensor("offsets")
+    return ShardCounts(len(offsets) - 1, int(offsets[-1]), int(h.get_tensor("loss_mask").sum()), path.stat().st_size)
+
+
 class HiddenShards:
     """A complete hidden dataset, read through mmap; `samples` in shard order (ascending sample id)."""
 
@@ -284,11 +325,7 @@ class HiddenShards:
 
     def _handle(self, i: int) -> Any:
         if i not in self._handles:
-            try:
-                self._handles[i] = safe_open(self.files[i], "pt")
-            except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-                raise DatasetError(f"{self.ds.ref}: {self.files[i].name} is not a readable safetensors file "
-                                   f"({e}); rerun {REMAKE['hidden']}") from None
+            self._handles[i] = open_shard(self.ds, self.files[i])
         return self._handles[i]
 
     def sample(self, j: int) -> dict[str, Any]:

@@ -24,15 +24,23 @@ One JSON object per line of `samples.jsonl`:
     loss_mask      list[0|1], 1 on the completion only
     finish_reason  "stop" | "length"
     source         "server" (ids from the server) | "rendered" (ids rendered from text here)
+    server         str, which server answered (only in samples that came from one)
+A record is made by `new_sample` and only there; `write_dataset` writes a complete dataset of them at once
+(synth appends them one by one). Stage 02 reads them through `index_samples` and `read_tokens`, which
+check the fields it uses (`token_problems`); `validate_sample` checks everything.
 """
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Iterable
 
 from eyas_common.chat import ChatTokens, render_prompt
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, iter_jsonl_at,
+                                  new_manifest)
 
 SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
 ANSWERED = (SAMPLES, TRUNCATED, REJECTED)  # files whose ids count as done: a rerun never asks for them again
@@ -71,6 +79,99 @@ def shortfall_note(manifest: dict[str, Any]) -> str | None:
 
 REQUIRED = {"id": int, "messages": list, "content": str, "input_ids": list, "loss_mask": list,
             "finish_reason": str, "source": str}
+TOKEN_FIELDS = {"id": int, "input_ids": list, "loss_mask": list}  # what stage 02 reads of a sample
+
+
+def new_sample(*, id: int, prompt_index: int, messages: list[dict[str, Any]], thinking: bool,
+               reasoning: str | None, content: str, prompt_ids: list[int], completion_ids: list[int],
+               finish_reason: str, source: str, server: str | None = None) -> dict[str, Any]:
+    """One sample record, as samples.jsonl stores it: input_ids is prompt + completion, and the loss mask
+    is 1 on the completion only."""
+    sample = {"id": id, "prompt_index": prompt_index, "messages": messages, "thinking": thinking,
+              "reasoning": reasoning, "content": content, "input_ids": prompt_ids + completion_ids,
+              "loss_mask": [0] * len(prompt_ids) + [1] * len(completion_ids), "finish_reason": finish_reason,
+              "source": source}
+    return sample if server is None else sample | {"server": server}
+
+
+def write_dataset(ds: Dataset, samples: Iterable[dict[str, Any]], *, stage: str, target: dict[str, Any],
+                  params: dict[str, Any]) -> Dataset:
+    """A complete synth dataset of ready-made samples, written at once (tests, benchmarks): samples.jsonl and
+    its manifest. eyas-synth appends its samples as they come instead, to resume."""
+    ds.path.mkdir(parents=True, exist_ok=True)
+    manifest = new_manifest("synth", stage=stage, target=target, inputs=[], params=params)
+    n = 0
+    with JsonlAppender(ds.path / SAMPLES) as w:
+        for sample in samples:
+            w.write(sample)
+            n += 1
+    finalize(ds, manifest, stats={"samples": n}, records={SAMPLES: n})
+    return ds
+
+
+def token_problems(sample: Any, vocab_size: int | None = None) -> list[str]:
+    """What makes a sample's tokens unusable by any stage: id, input_ids or loss_mask missing or mistyped,
+    no tokens, a mask of another length or with values other than 0/1, ids outside [0, vocab_size)."""
+    if not isinstance(sample, dict):
+        return [f"a JSON {type(sample).__name__}, not an object"]
+    problems = [f"field {k!r} missing or not {t.__name__}" for k, t in TOKEN_FIELDS.items()
+                if not isinstance(sample.get(k), t)]
+    if problems:
+        return problems
+    ids, mask = sample["input_ids"], sample["loss_mask"]
+    if not ids:
+        return ["input_ids is empty"]
+    if len(ids) != len(mask):
+        return [f"input_ids has {len(ids)} tokens but loss_mask {len(mask)}"]
+    if any(m not in (0, 1) for m in mask):
+        return ["loss_mask holds values other than 0/1"]
+    if vocab_size is not None and not all(isinstance(t, int) and 0 <= t < vocab_size for t in ids):
+        return [f"input_ids outside the target's vocabulary [0, {vocab_size})"]
+    return []
+
+
+@dataclass(frozen=True)
+class SampleLine:
+    """Where one sample lies in samples.jsonl, and its sizes: what stage 02 plans its shards with."""
+
+    id: int
+    n_tokens: int
+    n_masked: int
+    pos: int  # byte offset of its line
+
+
+def index_samples(path: Path, vocab_size: int) -> list[SampleLine]:
+    """Read and check every sample of a samples.jsonl once, keeping only where it is (the tokens are read
+    again per shard by read_tokens); ascending id. A bad line is refused naming file, line and the fix."""
+    refs: list[SampleLine] = []
+    seen: set[int] = set()
+    corrupted = (f"the synth dataset is corrupted: check it with `eyas-data verify`, then remake it with "
+                 f"{REMAKE['synth']}")
+    for lineno, pos, rec in iter_jsonl_at(path, fix=corrupted):
+        problems = token_problems(rec, vocab_size)
+        if not problems and rec["id"] in seen:
+            problems = [f"sample id {rec['id']} appears twice"]
+        if problems:
+            raise DatasetError(f"{path}:{lineno}: {problems[0]}; the synth dataset is invalid: run `eyas-synth "
+                               f"validate` on it and remake it with {REMAKE['synth']}")
+        seen.add(rec["id"])
+        refs.append(SampleLine(rec["id"], len(rec["input_ids"]), sum(rec["loss_mask"]), pos))
+    if not refs:
+        raise DatasetError(f"{path}: no samples; remake the synth dataset with {REMAKE['synth']}")
+    return sorted(refs, key=lambda r: r.id)
+
+
+def read_tokens(path: Path, refs: list[SampleLine]) -> list[tuple[list[int], list[int]]]:
+    """(input_ids, loss_mask) of each indexed sample, read again at its recorded offset."""
+    out = []
+    with open(path, "rb") as f:
+        for r in refs:
+            f.seek(r.pos)
+            rec = json.loads(f.readline())
+            if rec.get("id") != r.id:
+                raise DatasetError(f"{path}: changed while being read (sample {r.id} moved); rerun")
+            out.append((rec["input_ids"], rec["loss_mask"]))
+    return out
 
 
 def completion_start(loss_mask: list[int]) -> int:
@@ -91,11 +192,11 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     no other; the ids between the wrappers decode to the stored reasoning and content.
     """
     problems = [f"field {k!r} missing or not {t.__name__}" for k, t in REQUIRED.items()
-                if not isinstance(sample.get(k), t)]
+                if not isinstance(sample.get(k), t)] or token_problems(sample)
     if problems:
         return problems
     tokens = tokens or ChatTokens.of(tokenizer)
-    problems, p = _mask_problems(sample["input_ids"], sample["loss_mask"])
+    problems, p = _mask_problems(sample["loss_mask"])
     if p is None:
         return problems
     prompt, completion = sample["input_ids"][:p], sample["input_ids"][p:]
@@ -109,12 +210,8 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
     return _text_problems(sample, completion, tokenizer, block, finished)
 
 
-def _mask_problems(ids: list[int], mask: list[int]) -> tuple[list[str], int | None]:
-    """Problems of the loss mask, and where the completion starts (None: nothing more can be checked)."""
-    if len(ids) != len(mask):
-        return [f"input_ids has {len(ids)} tokens but loss_mask {len(mask)}"], None
-    if any(m not in (0, 1) for m in mask):
-        return ["loss_mask holds values other than 0/1"], None
+def _mask_problems(mask: list[int]) -> tuple[list[str], int | None]:
+    """Problems of the loss mask's shape, and where the completion starts (None: nothing more can be checked)."""
     p = completion_start(mask)
     if p == len(mask):
         return ["loss_mask is all zero: no completion to train on"], None
@@ -204,8 +301,6 @@ def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer, blo
 
 def validate_synth_file(path, tokenizer, check_prompt: bool = True) -> tuple[int, list[tuple[Any, list[str]]]]:
     """Validate every sample of a samples.jsonl: (samples read, [(sample id, problems), ...])."""
-    from eyas_common.contract import iter_jsonl
-
     tokens = ChatTokens.of(tokenizer)
     seen: set[Any] = set()
     bad: list[tuple[Any, list[str]]] = []

@@ -18,7 +18,7 @@ from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from eyas_common.servers import free_port
+from eyas_testing.servers import free_port
 
 STATE = Path(os.environ.get("EYAS_IMAGE_STATE", "/var/lib/eyas-images"))
 DOCKER_SOCK = Path("/run/eyas-images/docker.sock")
@@ -28,8 +28,12 @@ DOCKER_SOCK = Path("/run/eyas-images/docker.sock")
 class Engines:
     docker_env: dict[str, str]      # the environment for `docker` / `make` talking to our dockerd
     registry: str                   # host:port of the registry
-    ssh_host: str                   # user@host:port for make HOST=
+    ssh_hosts: tuple[str, ...]      # user@host:port of each sshd (127.0.0.1, 127.0.0.2): make HOST= / HOSTS=
     ssh_args: str                   # make SSH_ARGS=
+
+    @property
+    def ssh_host(self) -> str:
+        return self.ssh_hosts[0]
 
 
 def _wait(what: str, ok, proc: subprocess.Popen, log: Path, timeout_s: float = 90) -> None:
@@ -72,8 +76,8 @@ def _http_ok(url: str) -> bool:
         return False
 
 
-def _ssh_ready(port: int, key: Path) -> bool:
-    cmd = ["ssh", "-p", str(port), "-i", str(key), *SSH_OPTS, "root@127.0.0.1", "true"]
+def _ssh_ready(address: str, port: int, key: Path) -> bool:
+    cmd = ["ssh", "-p", str(port), "-i", str(key), *SSH_OPTS, f"root@{address}", "true"]
     return subprocess.run(cmd, capture_output=True, timeout=30).returncode == 0
 
 
@@ -81,15 +85,17 @@ SSH_OPTS = ["-o", "StrictHostKeyChecking=no", "-o", "UserKnownHostsFile=/dev/nul
             "-o", "LogLevel=ERROR"]
 
 
-def _sshd_config(work: Path, port: int) -> tuple[Path, Path]:
-    """A throwaway host key and client key, and a config that lets only that key in, as root, on loopback."""
-    for name in ("host_key", "client_key"):
-        subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / name)], check=True)
+def _sshd_config(work: Path, address: str, port: int) -> tuple[Path, Path]:
+    """A throwaway host key (one per address) and client key (shared), and a config that lets only that key
+    in, as root, on one loopback address."""
+    for name in (f"host_key_{address}", "client_key"):
+        if not (work / name).exists():
+            subprocess.run(["ssh-keygen", "-q", "-t", "ed25519", "-N", "", "-f", str(work / name)], check=True)
     shutil.copy(work / "client_key.pub", work / "authorized_keys")
-    config = work / "sshd_config"
+    config = work / f"sshd_config_{address}"
     config.write_text(
-        f"Port {port}\nListenAddress 127.0.0.1\nHostKey {work / 'host_key'}\n"
-        f"AuthorizedKeysFile {work / 'authorized_keys'}\nPidFile {work / 'sshd.pid'}\n"
+        f"Port {port}\nListenAddress {address}\nHostKey {work / f'host_key_{address}'}\n"
+        f"AuthorizedKeysFile {work / 'authorized_keys'}\nPidFile {work / f'sshd_{address}.pid'}\n"
         "UsePAM no\nStrictModes no\nPasswordAuthentication no\nPermitRootLogin prohibit-password\n"
         # a remote `docker` talks to the test's dockerd, as it would to a host's own
         f"SetEnv DOCKER_HOST=unix://{DOCKER_SOCK}\n"
@@ -101,19 +107,20 @@ def _sshd_config(work: Path, port: int) -> tuple[Path, Path]:
 @contextmanager
 def running_engines(work: Path) -> Iterator[Engines]:
     """dockerd (overlay2, no iptables or bridge: builds and containers use the host network), a
-    registry on 127.0.0.1 and sshd on 127.0.0.1, all stopped on exit."""
+    registry on 127.0.0.1 and two sshd, on 127.0.0.1 and 127.0.0.2 (two "hosts" sharing the docker
+    engine and the data folder), all stopped on exit."""
     DOCKER_SOCK.parent.mkdir(parents=True, exist_ok=True)
     (STATE / "docker").mkdir(parents=True, exist_ok=True)
     (STATE / "registry").mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "DOCKER_HOST": f"unix://{DOCKER_SOCK}"}
-    reg_port, ssh_port = free_port(), free_port()
+    reg_port = free_port()
+    sshd = {address: free_port() for address in ("127.0.0.1", "127.0.0.2")}
     reg_config = work / "registry.yml"
     reg_config.write_text(json.dumps({
         "version": 0.1, "log": {"level": "warn"},
         "storage": {"filesystem": {"rootdirectory": str(STATE / "registry")}},
         "http": {"addr": f"127.0.0.1:{reg_port}"},
     }))
-    sshd_config, key = _sshd_config(work, ssh_port)
     with ExitStack() as stack:
         stack.enter_context(_daemon("dockerd", [
             "dockerd", "--data-root", str(STATE / "docker"), "--exec-root", str(DOCKER_SOCK.parent / "exec"),
@@ -122,9 +129,13 @@ def running_engines(work: Path) -> Iterator[Engines]:
         ], work / "dockerd.log", lambda: _docker_ready(env)))
         stack.enter_context(_daemon("registry", ["docker-registry", "serve", str(reg_config)], work / "registry.log",
                                     lambda: _http_ok(f"http://127.0.0.1:{reg_port}/v2/")))
-        stack.enter_context(_daemon("sshd", ["/usr/sbin/sshd", "-D", "-e", "-f", str(sshd_config)], work / "sshd.log",
-                                    lambda: _ssh_ready(ssh_port, key)))
-        yield Engines(docker_env=env, registry=f"127.0.0.1:{reg_port}", ssh_host=f"root@127.0.0.1:{ssh_port}",
+        for address, port in sshd.items():
+            config, key = _sshd_config(work, address, port)
+            stack.enter_context(_daemon(f"sshd {address}", ["/usr/sbin/sshd", "-D", "-e", "-f", str(config)],
+                                        work / f"sshd_{address}.log",
+                                        lambda a=address, p=port, k=key: _ssh_ready(a, p, k)))
+        yield Engines(docker_env=env, registry=f"127.0.0.1:{reg_port}",
+                      ssh_hosts=tuple(f"root@{a}:{p}" for a, p in sshd.items()),
                       ssh_args=" ".join(["-i", str(key), *SSH_OPTS]))
 
 

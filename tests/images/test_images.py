@@ -1,6 +1,7 @@
 """The images, built and run for real on this machine (`make test-images`, as root): the cpu base and every
 stage image build; `make push` reaches a registry; `make synth HOST=...` pulls the synth image and runs it
-over ssh against real vLLM; extract and train run from their images and record the image tag; a patch to
+over ssh against real vLLM; extract and train run from their images and record the image tag; training on two
+ssh hosts (one torchrun node each) equals one process; a patch to
 one stage rebuilds only that image's last layers; `make clean-remote` deletes one dataset and refuses
 paths outside the data root. The tests run in file order, each on what the previous ones left."""
 
@@ -16,10 +17,12 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from eyas_common.contract import Dataset
-from eyas_common.fixture import write_prompts_jsonl
-from eyas_common.servers import VllmServer, start_vllm, stop, wait_healthy
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.servers import VllmServer, free_port, start_vllm, stop, wait_healthy
 
 from engines import Engines, registry_tags, running_engines
 
@@ -171,7 +174,9 @@ def test_synth_over_ssh_pulls_and_writes_a_valid_dataset(repo, engines, state, d
     stop(vllm)  # done with it: the cores go to extract and train
     assert f"Downloaded newer image for {state['images']['synth']}" in r.stdout
     m = manifest(data, "synth/s1")
-    assert m["status"] == "complete" and m["producer"]["git"] == f"eyas-synth:{state['tag']}"
+    assert m["status"] == "complete" and m["producer"]["image"] == f"eyas-synth:{state['tag']}"
+    # the code version is the commit's, as a checkout of it records it (the tag less its variant)
+    assert m["producer"]["git"] == state["tag"].removesuffix("-cpu")
     assert sum(1 for _ in open(data / "synth/s1/samples.jsonl")) == 8
     # and this checkout's own validator agrees with the one in the image
     venv_bin = Path(sys.executable).parent
@@ -189,10 +194,24 @@ def test_extract_and_train_run_from_their_images(repo, engines, state, data, mod
          TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --log-every 1")
     hidden, draft = manifest(data, "hidden/h1"), manifest(data, "drafts/d1")
     assert hidden["status"] == draft["status"] == "complete"
-    assert hidden["producer"]["git"] == f"eyas-extract:{state['tag']}"
-    assert draft["producer"]["git"] == f"eyas-train:{state['tag']}"
+    assert hidden["producer"]["image"] == f"eyas-extract:{state['tag']}"
+    assert draft["producer"]["image"] == f"eyas-train:{state['tag']}"
     assert [i["ref"] for i in draft["inputs"]] == ["hidden/h1", "synth/s1"]  # lineage back to the samples
     assert (data / "drafts/d1/config.json").is_file() and (data / "drafts/d1/model.safetensors").is_file()
+
+
+def test_training_on_two_hosts_equals_one_process(repo, engines, data, model):
+    """make train HOSTS="a b" NPROC=1: one torchrun node per ssh host (127.0.0.1 and 127.0.0.2), joined by the
+    c10d rendezvous on the first, gloo between them; the same global batch as d1's one process."""
+    r = make(repo, engines, "train", HOSTS=" ".join(engines.ssh_hosts), NPROC="1", DATA=str(data),
+             HIDDEN="hidden/h1", MODEL=str(model), NAME="d2", RDZV_PORT=str(free_port()),
+             TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --log-every 1")
+    one, two = manifest(data, "drafts/d1"), manifest(data, "drafts/d2")
+    assert two["status"] == "complete" and two["params"]["world"] == 2 and one["params"]["world"] == 1, r.stdout
+    a, b = (load_file(data / f"drafts/{d}/model.safetensors") for d in ("d1", "d2"))
+    assert a.keys() == b.keys()
+    for name in a:  # equal up to the order of float sums
+        torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-5, rtol=1e-4, msg=name)
 
 
 def layers(engines: Engines, image: str) -> list[str]:

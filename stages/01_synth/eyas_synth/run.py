@@ -23,13 +23,12 @@ from tqdm import tqdm
 
 from eyas_common.chat import (ChatTokens, load_tokenizer, render_completion, render_prompt, resolve_thinking,
                               target_fingerprint, template_kwargs)
-from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, add_producer, changed_params, check_schema,
-                                  check_target, finalize, iter_jsonl, new_manifest, sha256_file)
+from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, open_output, sha256_file
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
-from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, budget_count, parse_budget,
-                                 validate_sample)
+from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, budget_count, new_sample,
+                                 parse_budget, validate_sample)
 from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
@@ -127,12 +126,9 @@ def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tupl
     else:
         source = "rendered"
         completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
-    sample = {
-        "id": sid, "prompt_index": pi, "messages": st.conversations[pi], "thinking": st.cfg.thinking,
-        "reasoning": reasoning, "content": content,
-        "input_ids": prompt_ids + completion, "loss_mask": [0] * len(prompt_ids) + [1] * len(completion),
-        "finish_reason": finish, "source": source, "server": server,
-    }
+    sample = new_sample(id=sid, prompt_index=pi, messages=st.conversations[pi], thinking=st.cfg.thinking,
+                        reasoning=reasoning, content=content, prompt_ids=prompt_ids, completion_ids=completion,
+                        finish_reason=finish, source=source, server=server)
     if not problems:
         problems = validate_sample(sample, st.tokenizer, st.tokens, check_prompt=False)
     return sample, problems
@@ -200,25 +196,6 @@ def _render_prompts(conversations: list[list[dict]], todo: list[int], tokenizer,
                                f"(max_model_len) is {cfg.max_model_len}: shorten or drop that prompt, or serve the "
                                f"target with a longer --max-model-len")
     return out
-
-
-def _open_dataset(ds: Dataset, cfg: SynthConfig, fingerprint: dict, allow_code_change: bool) -> dict[str, Any]:
-    """The manifest to write into: a new one, or the existing one after checking it matches. Writes nothing."""
-    if not ds.exists():
-        if ds.path.exists() and (not ds.path.is_dir() or any(ds.path.iterdir())):
-            raise DatasetError(f"{ds.ref}: {ds.path} holds files but no manifest.json; "
-                               f"delete it (`eyas-data rm {ds.ref}`) or pick another --name")
-        return new_manifest("synth", stage="01_synth", target=fingerprint, inputs=[], params=asdict(cfg))
-    manifest = ds.read_manifest()
-    check_schema(ds, manifest)
-    check_target(ds, manifest, fingerprint)
-    changed = changed_params(manifest.get("params", {}), asdict(cfg), may_change=MAY_CHANGE)
-    if changed:
-        raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; resume it with the same options, "
-                           f"or pick another --name")
-    add_producer(ds, manifest, "01_synth", allow_code_change=allow_code_change)
-    manifest["params"] = asdict(cfg)
-    return manifest
 
 
 def _payload(st: RunState, sid: int) -> dict[str, Any]:
@@ -354,7 +331,10 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
 def _prepare(ds: Dataset, cfg: SynthConfig, tokenizer, conversations: list[list[dict]],
              allow_code_change: bool) -> RunState:
     """Check everything, then (and only then) write the partial manifest: a refused rerun changes nothing."""
-    manifest = _open_dataset(ds, cfg, target_fingerprint(tokenizer, cfg.model), allow_code_change)
+    # A complete dataset is extended (a larger --n); the manifest is written below, only if there is work.
+    manifest = open_output(ds, stage="01_synth", params=asdict(cfg), may_change=MAY_CHANGE,
+                           target=target_fingerprint(tokenizer, cfg.model), inputs=[],
+                           allow_code_change=allow_code_change, complete="extend")
     done, _ = scan(ds)
     extra = sorted(i for i in done if i >= cfg.n)
     if extra:

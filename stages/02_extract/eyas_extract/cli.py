@@ -7,9 +7,12 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup
-from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS
+from eyas_common.methods import METHODS
+from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS, ExtractOptions
 from eyas_extract.run import finalize_dataset
 from eyas_extract.run import run as run_extract
+
+D = ExtractOptions.__dataclass_fields__  # the defaults shown in --help are the options' own
 
 
 def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> list[int] | None:
@@ -41,26 +44,29 @@ def main() -> None:
 @click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
               help="Local path of the target the synth dataset was made with (same tokenizer and chat template).")
 @click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/hidden/NAME (resumes it if present).")
-@click.option("--backend", type=click.Choice(BACKENDS), default="hf",
+@click.option("--backend", type=click.Choice(BACKENDS), default=D["backend"].default,
               help="hf: transformers + forward hooks (any model, CPU too); vllm: vLLM's extract_hidden_states (needs vLLM in this Python).")
 @click.option("--layers", callback=_layers, default=None,
-              help="Aux layer ids, comma-separated: id k = HF hidden_states[k], the residual stream entering layer k.  [default: 2,L//2,L-3]")
-@click.option("--teacher", type=click.Choice(TEACHERS), default="final",
+              help="Aux layer ids, comma-separated: id k = HF hidden_states[k], the residual stream entering layer k.  [default: from --method]")
+@click.option("--method", type=click.Choice(METHODS), default=D["method"].default,
+              help="The draft the states are for; it picks the default --layers: eagle3 2,L//2,L-3; dflash five layer "
+                   "outputs spread from shallow to deep (aux ids 2 .. L-2), so about 5/3 of eagle3's disk.")
+@click.option("--teacher", type=click.Choice(TEACHERS), default=D["teacher"].default,
               help="final: store the final normed hidden state (H values/token); topk: store the target's top-K log-probs.")
-@click.option("--topk", type=click.IntRange(min=1), default=8, help="K for --teacher topk: log-probs (float32) and ids (int32) per token.")
-@click.option("--aux-dtype", type=click.Choice(AUX_DTYPES), default="bf16",
+@click.option("--topk", type=click.IntRange(min=1), default=D["topk"].default, help="K for --teacher topk: log-probs (float32) and ids (int32) per token.")
+@click.option("--aux-dtype", type=click.Choice(AUX_DTYPES), default=D["aux_dtype"].default,
               help="Stored aux dtype; fp8 = float8_e4m3fn + one float32 scale per token and layer. fp32 also stores final in fp32.")
-@click.option("--shard", default="0/1", help="I/N: this host does shards j with j mod N == I (torchrun ranks split it further).")
-@click.option("--shard-samples", type=click.IntRange(min=1), default=2048,
+@click.option("--shard", default=D["shard"].default, help="I/N: this host does shards j with j mod N == I (torchrun ranks split it further).")
+@click.option("--shard-samples", type=click.IntRange(min=1), default=D["shard_samples"].default,
               help="At most this many samples per shard (the unit of resume).")
-@click.option("--shard-mb", type=click.IntRange(min=1), default=2048,
+@click.option("--shard-mb", type=click.IntRange(min=1), default=D["shard_mb"].default,
               help="At most this many MiB per shard (sets the shard's token budget).")
-@click.option("--batch-tokens", type=click.IntRange(min=1), default=16384,
+@click.option("--batch-tokens", type=click.IntRange(min=1), default=D["batch_tokens"].default,
               help="Padded tokens per forward (batch size x longest sample); fixed for a dataset, like the shard options.")
-@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default="auto",
+@click.option("--dtype", type=click.Choice(["auto", "bf16", "fp32"]), default=D["dtype"].default,
               help="Compute dtype of the target; auto: bf16 on GPU, fp32 on CPU.")
-@click.option("--device", default="auto", help="hf backend: cpu, cuda, cuda:1, ...; auto: cuda if present (cuda:LOCAL_RANK under torchrun).")
-@click.option("--attn", type=click.Choice(["auto", "flash_attention_2", "sdpa", "eager"]), default="auto",
+@click.option("--device", default=D["device"].default, help="hf backend: cpu, cuda, cuda:1, ...; auto: cuda if present (cuda:LOCAL_RANK under torchrun).")
+@click.option("--attn", type=click.Choice(["auto", "flash_attention_2", "sdpa", "eager"]), default=D["attn"].default,
               help="hf backend attention; auto: flash_attention_2 when flash-attn is installed on GPU, else sdpa.")
 @click.option("--device-map", default=None, help="hf backend: transformers device_map (e.g. auto) for a target larger than one GPU.")
 @click.option("--trust-remote-code", is_flag=True, help="Run modelling/tokenizer code shipped with the target (explicit opt-in).")
@@ -79,7 +85,7 @@ def run(quiet: bool, **kwargs) -> None:
     Prints the disk bill first and refuses when the volume cannot hold it. Rerun the same command to
     resume: finished shards are kept, a killed shard is redone.
     """
-    run_extract(progress=not quiet, **kwargs)
+    run_extract(ExtractOptions(**kwargs), progress=not quiet)
 
 
 @main.command("finalize")

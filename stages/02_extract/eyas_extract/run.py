@@ -9,7 +9,6 @@ redoes the rest, so a killed run resumes by rerunning it. The last worker to fin
 
 from __future__ import annotations
 
-import json
 import queue
 import shutil
 import socket
@@ -22,22 +21,21 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from tqdm import tqdm
 
-from eyas_common import samples as samples_format
-from eyas_common.chat import load_tokenizer, refuse_remote_code, target_fingerprint
-from eyas_common.checkpoint import read_checkpoint_size
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, add_producer, changed_params, check_schema,
-                                  check_target, finalize, input_ref, new_manifest, open_input, verify,
-                                  write_json_atomic)
-from eyas_common.hidden import RUNS, SHARD_GLOB, ShardWriter, bytes_per_token, runs_file, shard_layout, shard_name
+from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.checkpoint import CONFIG, read_checkpoint_size, read_text_config
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, check_schema, check_target, finalize, input_ref,
+                                  open_input, open_output, temp_files, verify)
+from eyas_common.hidden import (ShardWriter, bytes_per_token, count_shard, missing_shards, read_runs, shard_layout,
+                                shard_name, write_run)
 from eyas_common.lock import WriterLock
+from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
-from eyas_common.samples import SAMPLES
+from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_note
 
-from eyas_extract.batching import index_samples, load_tokens, make_batches, plan_shards
-from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig
+from eyas_extract.batching import make_batches, plan_shards
+from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 
@@ -57,19 +55,16 @@ def parse_shard(shard: str) -> tuple[int, int]:
     return i, n
 
 
-def default_layers(num_layers: int) -> list[int]:
-    return [2, num_layers // 2, num_layers - 3]
-
-
-def _model_dims(model: Path, trust_remote_code: bool) -> tuple[int, int, int]:
-    from transformers import AutoConfig
-
+def _model_dims(model: Path) -> tuple[int, int, int]:
+    """Layers, width and vocabulary of the target's text model (nested in a wrapper's config)."""
     try:
-        text = AutoConfig.from_pretrained(str(model), trust_remote_code=trust_remote_code).get_text_config()
-    except ValueError as e:
-        refuse_remote_code(model, e, trust_remote_code)
-        raise
-    return text.num_hidden_layers, text.hidden_size, text.vocab_size
+        text = read_text_config(model)
+        return int(text["num_hidden_layers"]), int(text["hidden_size"]), int(text["vocab_size"])
+    except FileNotFoundError as e:
+        raise DatasetError(str(e)) from None
+    except (KeyError, TypeError, ValueError) as e:
+        raise DatasetError(f"{model / CONFIG}: no usable {e} for the text model; --model must be a transformers "
+                           f"checkpoint folder") from None
 
 
 def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max_memory: dict[str, str] | None,
@@ -93,33 +88,15 @@ def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max
 
 
 def _open_dataset(job: Job, *, allow_code_change: bool) -> dict[str, Any]:
-    """The hidden manifest: new, or the existing one after checking it was made the same way.
-
-    Every check runs before the first write, so a refused rerun leaves the dataset as it was.
-    """
-    ds, cfg, synth = job.ds, job.cfg, job.sds
-    params = asdict(cfg)
-    if not ds.exists():
-        if list(ds.path.glob(SHARD_GLOB)):
-            raise DatasetError(f"{ds.ref}: {ds.path} holds shards but no manifest.json; delete it "
-                               f"(`eyas-data rm {ds.ref}`) or pick another --name")
-        manifest = new_manifest("hidden", stage="02_extract", target=job.smanifest.get("target"),
-                                inputs=[input_ref(synth)], params=params)
+    """The hidden manifest: new, or the existing one after checking it was made the same way (a complete one
+    is returned as it is). Every check runs before the first write, so a refused rerun changes nothing."""
+    ds = job.ds
+    manifest = open_output(ds, stage="02_extract", params=asdict(job.cfg), may_change=MAY_CHANGE,
+                           target=job.smanifest.get("target"), inputs=[input_ref(job.sds)],
+                           allow_code_change=allow_code_change, complete="keep",
+                           fix="resume it with the same options (and the same synth dataset), or pick another --name")
+    if manifest.get("status") != "complete" and (job.todo or not ds.exists()):
         ds.path.mkdir(parents=True, exist_ok=True)
-        ds.write_manifest(manifest)
-        return manifest
-    manifest = ds.read_manifest()
-    check_schema(ds, manifest)
-    check_target(ds, manifest, job.fingerprint)
-    if manifest.get("inputs") != [input_ref(synth)]:
-        raise DatasetError(f"{ds.ref} was started from {manifest.get('inputs')}, not from {synth.ref} as it is now "
-                           f"(its manifest changed since); delete it (`eyas-data rm {ds.ref}`) or pick another --name")
-    changed = changed_params(manifest.get("params", {}), params, may_change=MAY_CHANGE)
-    if changed:
-        raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; resume it with the same options "
-                           f"(and the same synth dataset), or pick another --name")
-    if manifest.get("status") != "complete" and job.todo:
-        add_producer(ds, manifest, "02_extract", allow_code_change=allow_code_change)
         ds.write_manifest(manifest)
     return manifest
 
@@ -218,35 +195,33 @@ class Job:
         return f"worker {self.worker}/{self.workers}" if self.workers > 1 else self.ds.ref
 
 
-def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list[int] | None = None,
-        teacher: str = "final", topk: int = 8, aux_dtype: str = "bf16", shard: str = "0/1",
-        shard_samples: int = 2048, shard_mb: int = 2048, batch_tokens: int = 16384, dtype: str = "auto",
-        device: str = "auto", attn: str = "auto", device_map: str | None = None, trust_remote_code: bool = False,
-        allow_code_change: bool = False, max_memory: dict[str, str] | None = None, devices: str | None = None,
-        dry_run: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Extract (or resume) hidden dataset `name` from synth dataset `synth`; returns this worker's stats."""
+def run(options: ExtractOptions | None = None, *, data_root: Path | None = None, progress: bool = True,
+        **fields: Any) -> dict[str, Any]:
+    """Extract (or resume) hidden dataset `name` from synth dataset `synth`; returns this worker's stats.
+
+    `options` as the CLI builds them, or their fields as keywords (ExtractOptions(**fields)).
+    """
+    opts = options if options is not None else ExtractOptions(**fields)
     t_start = time.monotonic()
-    if devices and not dry_run:
-        raise DatasetError(f"--devices {devices!r} describes another machine: use it with --dry-run only")
-    job = _plan(synth=synth, model=Path(model), name=name, backend=backend, layers=layers, teacher=teacher, topk=topk,
-                aux_dtype=aux_dtype, shard=shard, shard_samples=shard_samples, shard_mb=shard_mb,
-                batch_tokens=batch_tokens, dtype=dtype, device=device, attn=attn, device_map=device_map,
-                trust_remote_code=trust_remote_code, data_root=data_root)
+    if opts.devices and not opts.dry_run:
+        raise DatasetError(f"--devices {opts.devices!r} describes another machine: use it with --dry-run only")
+    job = _plan(opts, data_root)
     size, tokens, free = _disk_bill(job)
-    placement = _place(job.cfg, Path(model), devices, job.ranks.world, max_memory, tokens, quiet=job.ranks.rank != 0)
-    if dry_run:
+    placement = _place(job.cfg, Path(opts.model), opts.devices, job.ranks.world, opts.max_memory, tokens,
+                       quiet=job.ranks.rank != 0)
+    if opts.dry_run:
         log(f"dry run: {'enough' if size <= free else 'NOT enough (the run would be refused)'} disk; "
             f"nothing loaded or written")
         return {"plan": placement.to_dict(), "tokens": tokens, "bytes": size, "free_bytes": free}
     _refuse_full_disk(job.ds, size, free)
     # Each worker part has its own lock: two runs of one part are refused, different parts run side by side.
     with WriterLock(job.ds, stage="02_extract", part=f"worker-{job.worker}-of-{job.workers}"):
-        manifest = _open_dataset(job, allow_code_change=allow_code_change)
+        manifest = _open_dataset(job, allow_code_change=opts.allow_code_change)
         if manifest.get("status") == "complete":
             log(f"{job.ds.ref} is already complete")
             return manifest["stats"]
         for j in job.mine:  # temp files of this worker's shards, left by a killed run (the lock says it is gone)
-            for tmp in job.ds.path.glob(f".{shard_name(j)}.tmp-*"):
+            for tmp in temp_files(job.ds.path / shard_name(j)):
                 tmp.unlink()
         stats = _work(job, progress, t_start)
     if job.ranks.world > 1:
@@ -256,7 +231,7 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
         dist.destroy_process_group()
         if job.ranks.rank != 0:
             return stats
-    missing = [j for j in range(len(job.plan)) if not (job.ds.path / shard_name(j)).exists()]
+    missing = missing_shards(job.ds, len(job.plan))
     if missing:
         log(f"{job.ds.ref}: {len(job.plan) - len(missing)} of {len(job.plan)} shards there; the other --shard parts "
             f"are still to run (the last one to end finalizes, or run `eyas-extract finalize {job.ds.name}`)")
@@ -264,48 +239,48 @@ def run(*, synth: str, model: Path, name: str, backend: str = "hf", layers: list
     return stats | {"dataset": finalize_dataset(job.ds.name, data_root=data_root)}
 
 
-def _plan(*, synth: str, model: Path, name: str, backend: str, layers: list[int] | None, teacher: str, topk: int,
-          aux_dtype: str, shard: str, shard_samples: int, shard_mb: int, batch_tokens: int, dtype: str,
-          device: str, attn: str, device_map: str | None, trust_remote_code: bool, data_root: Path | None) -> Job:
+def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
     """Check the options and the input, and cut the work into shards; writes nothing."""
-    if backend not in BACKENDS or teacher not in TEACHERS or aux_dtype not in AUX_DTYPES:
-        raise DatasetError(f"backend {backend!r}, teacher {teacher!r}, aux dtype {aux_dtype!r}: "
+    if opts.backend not in BACKENDS or opts.teacher not in TEACHERS or opts.aux_dtype not in AUX_DTYPES:
+        raise DatasetError(f"backend {opts.backend!r}, teacher {opts.teacher!r}, aux dtype {opts.aux_dtype!r}: "
                            f"expected one of {BACKENDS}, {TEACHERS}, {AUX_DTYPES}")
-    part, parts = parse_shard(shard)
+    part, parts = parse_shard(opts.shard)
     ranks = torchrun_ranks()
-    if ranks.world > 1 and (backend == "vllm" or device_map):
+    if ranks.world > 1 and (opts.backend == "vllm" or opts.device_map):
         raise DatasetError("under torchrun each rank runs its own copy of the target on its own GPU: --backend vllm "
                            "and --device-map need a process of their own; split hosts or GPUs with --shard I/N instead")
-    if backend == "vllm":
+    if opts.backend == "vllm":
         from eyas_extract.vllm_backend import require_vllm
 
         require_vllm()
-    sds, smanifest, fingerprint = _open_synth(synth, model, trust_remote_code, data_root)
-    num_layers, hidden, vocab = _model_dims(model, trust_remote_code)
-    layers = list(layers) if layers else default_layers(num_layers)
+    model = Path(opts.model)
+    sds, smanifest, fingerprint = _open_synth(opts.synth, model, opts.trust_remote_code, data_root)
+    num_layers, hidden, vocab = _model_dims(model)
+    # the layer ids are the dataset's record of what it holds (params.layers); the method only picks them
+    layers = list(opts.layers) if opts.layers else default_layers(opts.method, num_layers)
     if len(set(layers)) != len(layers) or not all(0 <= k < num_layers for k in layers):
         raise DatasetError(f"--layers {layers}: need distinct ids in [0, {num_layers}) (id k is the state entering "
-                           f"layer k; the target has {num_layers} layers, default {default_layers(num_layers)})")
-    if teacher == "topk" and not 1 <= topk <= vocab:
-        raise DatasetError(f"--topk {topk}: need 1 <= K <= {vocab} (the target's vocabulary)")
-    dev = pick_device(device)
+                           f"layer k; the target has {num_layers} layers, default for {opts.method} {default_layers(opts.method, num_layers)})")
+    if opts.teacher == "topk" and not 1 <= opts.topk <= vocab:
+        raise DatasetError(f"--topk {opts.topk}: need 1 <= K <= {vocab} (the target's vocabulary)")
+    dev = pick_device(opts.device)
     if dev.type == "cuda" and ranks.world > 1:
         dev = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(dev)
-    compute = pick_dtype(dtype, dev)
+    compute = pick_dtype(opts.dtype, dev)
     cfg = ExtractConfig(
-        synth=sds.ref, model=str(model), backend=backend, layers=layers, num_layers=num_layers, hidden_size=hidden,
-        vocab_size=vocab, aux_dtype=aux_dtype, teacher=teacher, topk=topk if teacher == "topk" else 0,
-        shard_samples=shard_samples, shard_tokens=0, num_shards=0, batch_tokens=batch_tokens,
-        dtype=compute, attn=pick_attn(attn, dev, compute), device_map=device_map,
-        trust_remote_code=trust_remote_code)
-    cfg.shard_tokens = max(1, shard_mb * (1 << 20) // bytes_per_token(cfg))
-    job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(name, "hidden", data_root), dev, ranks, part, parts)
+        synth=sds.ref, model=str(model), backend=opts.backend, layers=layers, num_layers=num_layers,
+        hidden_size=hidden, vocab_size=vocab, aux_dtype=opts.aux_dtype, teacher=opts.teacher,
+        topk=opts.topk if opts.teacher == "topk" else 0, shard_samples=opts.shard_samples, shard_tokens=0,
+        num_shards=0, batch_tokens=opts.batch_tokens, dtype=compute, attn=pick_attn(opts.attn, dev, compute),
+        device_map=opts.device_map, trust_remote_code=opts.trust_remote_code)
+    cfg.shard_tokens = max(1, opts.shard_mb * (1 << 20) // bytes_per_token(cfg))
+    job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(opts.name, "hidden", data_root), dev, ranks, part, parts)
     index = index_samples(sds.path / SAMPLES, vocab) if (sds.path / SAMPLES).exists() else []
     if not index:
         raise DatasetError(f"{sds.ref} holds no samples ({SAMPLES} is empty or missing): nothing to extract; "
                            f"remake it with {REMAKE['synth']}")
-    job.plan = plan_shards(index, shard_samples, cfg.shard_tokens)
+    job.plan = plan_shards(index, opts.shard_samples, cfg.shard_tokens)
     cfg.num_shards = len(job.plan)
     job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
     return job
@@ -321,7 +296,7 @@ def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Pat
                            f"{sds.ref}`, then remake it with {REMAKE['synth']}")
     fingerprint = target_fingerprint(load_tokenizer(model, trust_remote_code), model)
     check_target(sds, smanifest, fingerprint)
-    if shortfall := samples_format.shortfall_note(smanifest):
+    if shortfall := shortfall_note(smanifest):
         log(f"{sds.ref}: {shortfall}")
     return sds, smanifest, fingerprint
 
@@ -372,7 +347,7 @@ def _work(job: Job, progress: bool, t_start: float) -> dict[str, Any]:
     stats |= {"worker": job.worker, "workers": job.workers, "host": socket.gethostname(), "shards": len(job.todo),
               "wall_s": round(time.monotonic() - t_start, 2)}
     if job.todo:
-        write_json_atomic(ds.path / runs_file(job.worker, job.workers), stats)
+        write_run(ds, job.worker, job.workers, stats)
         log(f"{job.who}: {stats['tokens']:,} tokens in {stats['compute_s']:.1f} s: {stats['tokens_per_s']:,.0f} "
             f"tokens/s, {bytes_per_token(job.cfg):,} B/token, {stats['pad_fraction']:.1%} padding; "
             f"wall {stats['wall_s']:.1f} s")
@@ -399,7 +374,7 @@ def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, tod
     try:
         for j in todo:
             refs = plan[j]
-            seqs = load_tokens(samples_path, refs)
+            seqs = read_tokens(samples_path, refs)
             ids = [s for s, _ in seqs]
             sw = ShardWriter(ds.path / shard_name(j), cfg, [r.id for r in refs], [len(s) for s in ids])
             shards.append(sw)
@@ -436,34 +411,25 @@ def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, A
     ds = Dataset.parse(name, "hidden", data_root)
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
-    params = manifest["params"]
-    n = params["num_shards"]
-    missing = [j for j in range(n) if not (ds.path / shard_name(j)).exists()]
+    n = manifest["params"]["num_shards"]
+    missing = missing_shards(ds, n)
     if missing:
         raise DatasetError(f"{ds.ref}: shards {missing[:10]}{' ...' if len(missing) > 10 else ''} of {n} are missing; "
                            f"rerun {REMAKE['hidden']} with the same options (each --shard I/N part) to make them")
-    samples = tokens = masked = size = 0
-    records = {}
-    for j in range(n):
-        path = ds.path / shard_name(j)
-        with safe_open(path, "pt") as f:
-            offsets = f.get_tensor("offsets")
-            masked += int(f.get_tensor("loss_mask").sum())
-        samples += len(offsets) - 1
-        tokens += int(offsets[-1])
-        size += path.stat().st_size
-        records[shard_name(j)] = len(offsets) - 1
-    runs = [json.loads(p.read_text()) for p in sorted((ds.path / RUNS).glob("worker-*.json"))]
+    counts = [count_shard(ds, j) for j in range(n)]
+    samples, tokens = sum(c.samples for c in counts), sum(c.tokens for c in counts)
+    size = sum(c.bytes for c in counts)
+    runs = read_runs(ds)
     compute = max((r.get("compute_s", 0) for r in runs), default=0)
     stats = {
-        "samples": samples, "tokens": tokens, "masked_tokens": masked, "shards": n, "bytes": size,
-        "bytes_per_token": round(size / tokens, 2),
+        "samples": samples, "tokens": tokens, "masked_tokens": sum(c.masked_tokens for c in counts), "shards": n,
+        "bytes": size, "bytes_per_token": round(size / tokens, 2),
         # All workers together, assuming they ran side by side: their tokens over the longest run.
         "tokens_per_s": round(sum(r.get("tokens", 0) for r in runs) / compute, 1) if compute else None,
         "wall_s": max((r.get("wall_s", 0) for r in runs), default=None),
         "workers": runs,
     }
-    manifest = finalize(ds, manifest, stats=stats, records=records)
+    manifest = finalize(ds, manifest, stats=stats, records={shard_name(j): c.samples for j, c in enumerate(counts)})
     log(f"{ds.ref} complete: {samples:,} samples, {tokens:,} tokens in {n} shards, {size / 1e9:.3f} GB "
         f"({stats['bytes_per_token']:,} B/token), {stats['tokens_per_s'] or 0:,.0f} tokens/s, wall {stats['wall_s']} s")
     return stats

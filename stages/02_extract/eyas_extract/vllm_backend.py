@@ -26,6 +26,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
 
+from eyas_common.checkpoint import weight_files
 from eyas_common.contract import DatasetError
 
 from eyas_extract.capture import encode, find_parts
@@ -47,14 +48,12 @@ def load_final_norm(cfg: ExtractConfig) -> torch.nn.Module:
     parts = find_parts(skeleton, cfg.num_layers, cfg.hidden_size)
     prefix = parts.names["norm"]
     wanted = {f"{prefix}.{n}": n for n in parts.norm.state_dict()}
+    files = weight_files(cfg.model)
+    seen = [k for k in files if k.endswith("norm.weight") and "layers." not in k]
     state: dict[str, torch.Tensor] = {}
-    seen: list[str] = []
-    for f in sorted(Path(cfg.model).glob("*.safetensors")):
-        with safe_open(f, "pt") as h:
-            keys = set(h.keys())
-            seen += [k for k in keys if k.endswith("norm.weight") and "layers." not in k]
-            for key in wanted.keys() & keys:
-                state[wanted[key]] = h.get_tensor(key)
+    for key in wanted.keys() & files.keys():
+        with safe_open(files[key], "pt") as h:
+            state[wanted[key]] = h.get_tensor(key)
     if len(state) != len(wanted):
         raise DatasetError(f"{cfg.model}: no weights {sorted(wanted)} for the final norm in its *.safetensors "
                            f"(norm weights outside the layers: {sorted(seen) or 'none'}); use --backend hf")

@@ -82,6 +82,23 @@ def main() -> None:
 @click.option("--init-vocab", type=click.Choice(["keep", "remap"]), default=D["init_vocab"].default,
               help="With --init-draft: keep its draft vocabulary, or remap to this data's most frequent tokens "
                    "(--draft-vocab of them; rows of tokens in both carried over).")
+@click.option("--method", type=click.Choice(["eagle3", "dflash"]), default=D["method"].default,
+              help="eagle3: one layer unrolled over its own outputs (--ttt-steps); dflash: a block-diffusion draft "
+                   "filling --block-size - 1 masked slots in one pass (needs a hidden dataset extracted with "
+                   "--method dflash, or any with layer ids >= 1).")
+@click.option("--block-size", type=click.IntRange(min=2), default=None,
+              help="DFlash: the anchor and BLOCK_SIZE - 1 masked slots; serve with num_speculative_tokens = "
+                   "BLOCK_SIZE - 1.  [default: 16 for targets of width >= 2048, else 8]")
+@click.option("--draft-layers", type=click.IntRange(min=1), default=None,
+              help="DFlash: decoder layers of the draft.  [default: target layers / 8, rounded up, 1 to 5]")
+@click.option("--anchors", type=click.IntRange(min=1), default=D["anchors"].default,
+              help="DFlash: most blocks drawn per sample and step (anchors among its completion tokens).")
+@click.option("--gamma", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="DFlash: slot j's loss weight is exp(-(j-1)/GAMMA).  [default: 7 for blocks of 16, 5 for 10, 4 "
+                   "for 8 and below]")
+@click.option("--mask-token-id", type=click.IntRange(min=0), default=None,
+              help="DFlash: the token id filling masked slots (served with the target's embedding of it).  "
+                   "[default: the tokenizer's mask token, else a special token no completion uses]")
 def run(**kw) -> None:
     """Train drafts/NAME on hidden/HIDDEN; an interrupted run resumes from its last checkpoint."""
     from eyas_train.train import run as train_run

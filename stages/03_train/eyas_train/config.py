@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
+
+# What may change between a run and its resumption without changing the result; every other field must
+# match (eyas_common.contract.open_output). `batching` lays out the same samples with the same loss
+# (ttt.py), so it changes only the speed.
+MAY_CHANGE = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching")
 
 
 @dataclass(frozen=True)
@@ -42,15 +47,19 @@ class TrainConfig:
     trust_remote_code: bool = False  # the target's tokenizer code was run (explicit opt-in)
     init_draft: str | None = None   # start from this draft (eyas, vLLM/speculators or SpecForge layout)
     init_vocab: str = "keep"        # with init_draft: keep its draft vocabulary, or remap to this data's
+    # --method dflash (dflash.py); None: from the target (the resolved values are in the manifest's params.draft)
+    method: str = "eagle3"          # eagle3 or dflash
+    block_size: int | None = None   # DFlash: anchor + block_size - 1 masked slots (vLLM: K = block_size - 1)
+    draft_layers: int | None = None  # DFlash: decoder layers of the draft
+    anchors: int = 512              # DFlash: most anchors drawn per sample and step
+    gamma: float | None = None      # DFlash: slot j's loss weight is exp(-(j - 1) / gamma)
+    mask_token_id: int | None = None  # DFlash: the token filling masked slots (default: one absent from the data)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
-    # What may change between a run and its resumption without changing the result.
-    # `batching` lays out the same samples with the same loss (ttt.py), so it changes only the speed.
-    RESUMABLE_CHANGES = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching")
-
-    def differences(self, other: dict[str, Any]) -> list[str]:
-        mine = self.to_dict()
-        return [f"{f.name}: {other.get(f.name)!r} -> {mine[f.name]!r}" for f in fields(self)
-                if f.name not in self.RESUMABLE_CHANGES and other.get(f.name) != mine[f.name]]
+    @classmethod
+    def as_saved(cls, saved: dict[str, Any]) -> dict[str, Any]:
+        """A config an earlier run saved (in a checkpoint), with the default of each field added since: what
+        that run used."""
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING} | saved

@@ -1,48 +1,27 @@
-"""What training needs from the target, read from its files alone: config, embedding, lm_head, and the
-teacher distribution built from stored final states or stored top-K. The target model itself is never
+"""What training needs from the target, read from its files alone (its config and tensor index through
+eyas_common.checkpoint): embedding, lm_head, and the teacher distribution built from stored final states
+or stored top-K. The target model itself is never
 loaded for training (the eval loads it, since it runs the target).
 """
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 from safetensors import safe_open
 
+from eyas_common.checkpoint import read_text_config, weight_files
 from eyas_train.vocab import VocabMap
 
 
 TEXT_PREFIX = "language_model."
 
 
-def text_config(model: str | Path) -> dict[str, Any]:
-    """The target's text-model config (multimodal wrappers such as Kimi-K2.5 nest it in `text_config`)."""
-    cfg = json.loads((Path(model) / "config.json").read_text())
-    return cfg.get("text_config", cfg)
-
-
-def _weight_files(model: Path) -> dict[str, Path]:
-    """Tensor name -> safetensors file, from the index when the checkpoint is sharded."""
-    index = model / "model.safetensors.index.json"
-    if index.is_file():
-        return {k: model / f for k, f in json.loads(index.read_text())["weight_map"].items()}
-    files = sorted(model.glob("*.safetensors"))
-    if not files:
-        raise FileNotFoundError(f"no *.safetensors in {model}: the target must be a local safetensors checkpoint")
-    out = {}
-    for f in files:
-        with safe_open(f, "pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
 def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
     """The one tensor whose name ends with `suffix` (e.g. `embed_tokens.weight`), read alone."""
     model = Path(model)
-    names = _weight_files(model)
+    names = weight_files(model)
     found = sorted(k for k in names if k == suffix or k.endswith("." + suffix))
     if len(found) > 1:  # a multimodal wrapper (Kimi-K2.5): the text model's, under `language_model.`
         found = [k for k in found if k.startswith(TEXT_PREFIX)] or found
@@ -60,7 +39,7 @@ def load_embedding(model: str | Path) -> torch.Tensor:
 
 def load_lm_head(model: str | Path) -> torch.Tensor:
     """The target's output projection [V, H]; the embedding when the target ties them."""
-    if text_config(model).get("tie_word_embeddings", False):
+    if read_text_config(model).get("tie_word_embeddings", False):
         return load_embedding(model)
     return load_weight(model, "lm_head.weight")
 

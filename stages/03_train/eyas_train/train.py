@@ -5,7 +5,6 @@ drafts/NAME/ and its files are described in eyas_common.drafts, the format's own
 
 from __future__ import annotations
 
-import os
 import random
 import sys
 import time
@@ -19,14 +18,15 @@ import torch
 from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, add_producer, check_target, finalize,
-                                  fsync_dir, input_ref, iter_jsonl, new_manifest, open_input)
+from eyas_common.checkpoint import read_text_config
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, atomic_output, check_target, finalize,
+                                  input_ref, iter_jsonl, new_manifest, open_input, open_output, write_jsonl_atomic)
 from eyas_common.drafts import BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
 from eyas_common.hidden import HiddenShards
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
-from eyas_train.config import TrainConfig
+from eyas_train.config import MAY_CHANGE, TrainConfig
 from eyas_train.data import global_batches, per_sample, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
@@ -34,7 +34,7 @@ from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
-from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight, text_config
+from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
@@ -46,15 +46,21 @@ def say(msg: str) -> None:
     tqdm.write(f"[eyas-train] {msg}", file=sys.stderr)
 
 
-def draft_config(target: dict[str, Any], hidden_size: int, vocab_size: int, n_aux: int, draft_vocab: int,
-                 norm_before_residual: bool) -> DraftConfig:
-    """The draft's shape from the target's config: same width, heads and FFN as one target layer."""
+def attention_shape(target: dict[str, Any], hidden_size: int) -> tuple[int, int, dict[str, Any]]:
+    """A draft layer's heads, head_dim and RoPE parameters, as one of the target's layers has them."""
     heads = target["num_attention_heads"]
     # MLA targets (DeepseekV3 / Kimi) have no Llama head_dim; the draft's Llama layer splits H evenly.
     head_dim = (None if "kv_lora_rank" in target else target.get("head_dim")) or hidden_size // heads
     rope = dict(target.get("rope_parameters") or target.get("rope_scaling") or {})
     rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
     rope.setdefault("rope_theta", target.get("rope_theta", 10000.0))
+    return heads, head_dim, rope
+
+
+def draft_config(target: dict[str, Any], hidden_size: int, vocab_size: int, n_aux: int, draft_vocab: int,
+                 norm_before_residual: bool) -> DraftConfig:
+    """The draft's shape from the target's config: same width, heads and FFN as one target layer."""
+    heads, head_dim, rope = attention_shape(target, hidden_size)
     return DraftConfig(
         vocab_size=vocab_size,
         draft_vocab_size=draft_vocab,
@@ -89,14 +95,8 @@ def save_checkpoint(folder: Path, payload: dict[str, Any], keep: int) -> Path:
 
 
 def _save_atomic(path: Path, payload: dict[str, Any]) -> Path:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "wb") as f:
-        torch.save(payload, f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    with atomic_output(path) as tmp:
+        torch.save(payload, tmp)
     return path
 
 
@@ -143,15 +143,24 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
         parallel.shutdown(d)
 
 
-def _open(cfg: TrainConfig, data_root: Path | None):
+def _open(cfg: TrainConfig, data_root: Path | None, allow_code_change: bool):
+    """The input (checked against the target loaded now), the output's manifest and its newest checkpoint.
+
+    A complete draft is refused; a partial one resumes from its newest checkpoint, refused when that was
+    made with other settings (all but MAY_CHANGE); one with no checkpoint yet starts over. Writes nothing.
+    """
     hidden_ds, hidden_m = open_input(cfg.hidden, "hidden", root=data_root)
     fingerprint = target_fingerprint(load_tokenizer(cfg.model, cfg.trust_remote_code), cfg.model)
     check_target(hidden_ds, hidden_m, fingerprint)
     out = Dataset.parse(cfg.name, "drafts", data_root)
-    if out.exists() and out.read_manifest().get("status") == "complete":
-        raise DatasetError(f"{out.ref} is already complete; choose another name, or delete it with "
-                           f"`eyas-data rm {out.ref}` to train again")
-    return hidden_ds, hidden_m, fingerprint, out
+    found = checkpoints(out.path) if out.exists() and out.read_manifest().get("status") != "complete" else []
+    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False) if found else None
+    manifest = open_output(out, stage="03_train", params=cfg.to_dict(), may_change=MAY_CHANGE, target=fingerprint,
+                           inputs=_lineage(hidden_ds, hidden_m), allow_code_change=allow_code_change,
+                           resume=ckpt is not None, made_with=TrainConfig.as_saved(ckpt["config"]) if ckpt else None,
+                           fix=f"rerun with the same settings to resume from its checkpoint at step "
+                               f"{ckpt and ckpt['step']}, or delete it with `eyas-data rm {out.ref}`")
+    return hidden_ds, hidden_m, manifest, out, ckpt
 
 
 def _lineage(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> list[dict[str, str]]:
@@ -184,6 +193,7 @@ class RunState:
     train_s: float = 0.0          # loop time summed over all sessions of the run
     best: dict[str, Any] = field(default_factory=lambda: {"step": None, "score": None, "stale": 0, "val": None})
     last: dict[str, Any] | None = None  # the newest training log record
+    method: Any = None            # another draft method's hooks (dflash_train.DFlashMethod); None: EAGLE-3
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -192,14 +202,13 @@ class RunState:
 
 def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_change: bool = False) -> Path:
     t_start = time.monotonic()
-    hidden_ds, hidden_m, fingerprint, out = _open(cfg, data_root)
-    s = _setup(cfg, d, hidden_ds, hidden_m, out, data_root)
+    hidden_ds, hidden_m, manifest, out, ckpt = _open(cfg, data_root, allow_code_change)
+    s = _setup(cfg, d, hidden_ds, hidden_m, out, ckpt, data_root)
     run_params = {"config": cfg.to_dict(), "recipe": s.recipe.to_dict(), "draft": s.dcfg.__dict__,
                   "aux_layers": s.aux_layers, "world": d.world, "teacher": s.shards.teacher,
                   "steps_per_epoch": s.recipe.steps_per_epoch, "total_steps": s.recipe.total_steps}
     if d.main:
-        _prepare_folder(out, cfg, fingerprint, _lineage(hidden_ds, hidden_m), run_params, s.start,
-                        allow_code_change)
+        _prepare_folder(out, manifest | {"params": run_params}, s.start)
         r = s.recipe
         say(f"{r.train_samples} training samples (+{r.val_samples} held out for validation), {r.tokens_per_sample:.0f} "
             f"tokens each: batch {r.batch_size} ({cfg.batching}), {r.steps_per_epoch} steps/epoch x {r.epochs:g} "
@@ -215,10 +224,14 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
 
 
 def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[str, Any], out: Dataset,
-           data_root: Path | None) -> RunState:
-    """Read the hidden dataset, resolve the recipe, build the draft and its optimiser, resume a checkpoint."""
+           ckpt: dict[str, Any] | None, data_root: Path | None) -> RunState:
+    """Read the hidden dataset, resolve the recipe, build the draft and its optimiser, resume `ckpt`."""
+    if cfg.method == "dflash":
+        from eyas_train.dflash_train import setup_dflash
+
+        return setup_dflash(cfg, d, hidden_ds, hidden_m, out, ckpt)
     params = hidden_m["params"]
-    target = text_config(cfg.model)
+    target = read_text_config(cfg.model)
     hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
     vocab_size = int(params.get("vocab_size") or target["vocab_size"])
     shards = HiddenShards(hidden_ds, hidden_m)  # exactly the manifest's files, sizes checked
@@ -237,7 +250,6 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
     except ValueError as e:
         raise DatasetError(f"{hidden_ds.ref}: {e}") from None
 
-    ckpt = _latest_checkpoint(out, cfg)
     init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft else None
     vocab, dcfg = _vocab_and_config(cfg, d, ckpt, init, shards, target, hidden_size, vocab_size, aux_layers)
     draft, lm_head = _new_draft(cfg, dcfg, vocab)
@@ -245,32 +257,27 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
         load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
     teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
     module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
+    opt, sched = optimiser(cfg, module, recipe)
+    return resumed(RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers,
+                            target, teacher, module, opt, sched), ckpt)
+
+
+def optimiser(cfg: TrainConfig, module: torch.nn.Module, recipe: Recipe) -> tuple[torch.optim.Optimizer, Any]:
+    """AdamW over the trainable parameters, and its warm-up + cosine schedule."""
     opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=recipe.lr, betas=(0.9, 0.95),
                             weight_decay=cfg.weight_decay)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.total_steps, recipe.warmup_steps))
-    s = RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers, target,
-                 teacher, module, opt, sched)
+    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.total_steps, recipe.warmup_steps))
+
+
+def resumed(s: RunState, ckpt: dict[str, Any] | None) -> RunState:
+    """`s` with a checkpoint's model, optimiser, schedule, RNG and progress loaded (as it is without one)."""
     if ckpt is not None:
-        parallel.load_state_dicts(module, opt, ckpt["model"], ckpt["optim"])
-        sched.load_state_dict(ckpt["sched"])
+        parallel.load_state_dicts(s.module, s.opt, ckpt["model"], ckpt["optim"])
+        s.sched.load_state_dict(ckpt["sched"])
         set_rng_state(ckpt["rng"])
         s.start = s.step = ckpt["step"]
         s.train_s, s.best = ckpt["train_s"], ckpt.get("best", s.best)
     return s
-
-
-def _latest_checkpoint(out: Dataset, cfg: TrainConfig) -> dict[str, Any] | None:
-    """The newest checkpoint of drafts/NAME, refused when it was made with other settings."""
-    found = checkpoints(out.path)
-    if not found:
-        return None
-    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False)
-    changed = cfg.differences(ckpt["config"])
-    if changed:
-        raise DatasetError(f"{out.ref} has a checkpoint at step {ckpt['step']} made with other settings "
-                           f"({'; '.join(changed)}): rerun with the same settings to resume, or delete it "
-                           f"with `eyas-data rm {out.ref}`")
-    return ckpt
 
 
 def _vocab_and_config(cfg: TrainConfig, d: parallel.Dist, ckpt: dict[str, Any] | None, init: Any,
@@ -335,7 +342,8 @@ def _forward(s: RunState, batch: dict[str, torch.Tensor], leads: list[torch.Tens
 def _train(s: RunState) -> None:
     """The optimiser loop: log, validate (and stop early) and checkpoint on their schedules."""
     cfg, d, total = s.cfg, s.d, s.recipe.total_steps
-    window = torch.zeros(cfg.ttt_steps, 3, device=d.device)  # per step: loss sum, hits, counted rows
+    slots, decay = (s.method.slots(s), s.method.decay) if s.method else (cfg.ttt_steps, cfg.step_decay)
+    window = torch.zeros(slots, 3, device=d.device)  # per step (DFlash: per slot): loss sum, hits, counted rows
     tokens, t_window = 0, time.monotonic()
     log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
     bar = tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
@@ -343,7 +351,7 @@ def _train(s: RunState) -> None:
     t_loop = time.monotonic()
     for batch in prefetch(s.shards, _plan(s), cfg.max_len, cfg.batching == "packed"):
         tokens += int(batch["length"].sum())
-        loss, stats = _forward(s, batch)
+        loss, stats = s.method.forward(s, batch)[:2] if s.method else _forward(s, batch)
         # DDP/FSDP average gradients over ranks; the loss is already a global-batch mean, so undo the average.
         (loss * d.world).backward()
         gnorm = torch.nn.utils.clip_grad_norm_(s.trainable, cfg.grad_clip)
@@ -355,7 +363,7 @@ def _train(s: RunState) -> None:
         s.step += 1
         if s.step % cfg.log_every == 0 or s.step == total:
             s.last = _log_record(window, tokens, t_window, s.step, total, s.recipe.steps_per_epoch, s.sched, gnorm,
-                                 cfg.step_decay, d)
+                                 decay, d)
             _write_log(s, log, s.last, bar)
             window.zero_()
             tokens, t_window = 0, time.monotonic()
@@ -384,7 +392,7 @@ def _maybe_validate(s: RunState, log: JsonlAppender | None, bar: tqdm) -> bool:
     every = s.recipe.eval_every
     if not every or (s.step % every and s.step != s.recipe.total_steps):
         return False
-    record = _validate(s)
+    record = s.method.validate(s) if s.method else _validate(s)
     _write_log(s, log, record, bar)
     b = s.best
     if b["score"] is None or record["val_predicted"][-1] > b["score"] + 1e-3:
@@ -441,8 +449,11 @@ def _finish(s: RunState, t_start: float) -> None:
         return
     if use_best:
         model_sd = torch.load(s.out.path / CKPT_DIR / BEST_FILE, map_location="cpu", weights_only=False)["model"]
-    write_draft(s.out.path, {k.removeprefix("draft."): v for k, v in model_sd.items()}, s.dcfg, s.aux_layers,
-                s.target)
+    state = {k.removeprefix("draft."): v for k, v in model_sd.items()}
+    if s.method:
+        s.method.export(s, state)
+    else:
+        write_draft(s.out.path, state, s.dcfg, s.aux_layers, s.target)
     plot_log(s.out.path / LOG_FILE, s.out.path / PLOT_FILE)
     val = s.best["val"]
     stats = {"steps": s.step, "train_s": round(s.train_s, 1), "wall_s": round(time.monotonic() - t_start, 1),
@@ -465,23 +476,15 @@ def _finish(s: RunState, t_start: float) -> None:
             f"`eyas-train eval` measures it)")
 
 
-def _prepare_folder(out: Dataset, cfg: TrainConfig, fingerprint: dict[str, Any], inputs: list[dict[str, str]],
-                    run_params: dict[str, Any], start: int, allow_code_change: bool = False) -> None:
-    """A fresh run starts a partial manifest and an empty log; a resumed one cuts the log back to its step."""
-    manifest = new_manifest("drafts", stage="03_train", target=fingerprint, inputs=inputs, params=run_params)
-    if start and out.exists():  # a resume: every producer stays on record, another code version only if allowed
-        manifest["producers"] = out.read_manifest().get("producers") or []
-        add_producer(out, manifest, "03_train", allow_code_change=allow_code_change)
+def _prepare_folder(out: Dataset, manifest: dict[str, Any], start: int) -> None:
+    """Write the partial manifest (from _open); a fresh run starts an empty log, a resumed one cuts the log
+    back to its step (a torn last line, left by a kill, is dropped)."""
     out.path.mkdir(parents=True, exist_ok=True)
     log = out.path / LOG_FILE
     if start == 0:
         log.unlink(missing_ok=True)
     elif log.exists():
-        kept = [r for _, r in iter_jsonl(log) if r["step"] <= start]
-        with JsonlAppender(log.with_name(log.name + ".tmp")) as w:
-            for r in kept:
-                w.write(r)
-        os.replace(log.with_name(log.name + ".tmp"), log)
+        write_jsonl_atomic(log, [r for _, r in iter_jsonl(log, torn_end_ok=True) if r["step"] <= start])
     out.write_manifest(manifest)
 
 
@@ -558,7 +561,12 @@ def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, path: P
     ckpt = torch.load(path, map_location="cpu", weights_only=False)
     p = m["params"]
     state = {k.removeprefix("draft."): v for k, v in ckpt["model"].items()}
-    write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], text_config(p["config"]["model"]))
+    if p["config"].get("method") == "dflash":
+        from eyas_train.dflash_export import reexport
+
+        reexport(dest.path, state, p)
+    else:
+        write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], read_text_config(p["config"]["model"]))
     stats = {**m.get("stats", {}), "exported_step": chosen}
     if dest == src:
         if chosen == p["total_steps"]:

@@ -16,8 +16,31 @@ import os
 import sys
 from pathlib import Path
 
-from eyas_common.servers import default_vllm_python, vllm_cpu_env
+from eyas_common.drafts import draft_method
+from eyas_common.paths import cache_root
 from eyas_serve.config import LaunchConfig
+
+REPO_ROOT = Path(__file__).resolve().parents[3]  # the checkout, when installed editable (make install)
+
+
+def default_vllm_python() -> Path:
+    """The interpreter that has vLLM: `EYAS_VLLM_PYTHON`, else the repo's `.venv-vllm` (`make vllm`)."""
+    return Path(os.environ.get("EYAS_VLLM_PYTHON", REPO_ROOT / ".venv-vllm" / "bin" / "python"))
+
+
+def vllm_cpu_env() -> dict[str, str]:
+    """Environment for a vLLM server on this machine: 1 GiB of CPU KV cache, caches in the repo, no network.
+
+    Harmless on a GPU host (the CPU knobs are ignored there); values already set in the environment win.
+    """
+    return {
+        "VLLM_CPU_KVCACHE_SPACE": os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "VLLM_CACHE_ROOT": os.environ.get("VLLM_CACHE_ROOT", str(cache_root() / "vllm")),
+        # Models are local folders: never wait on (or report to) the network.
+        "HF_HUB_OFFLINE": "1",
+        "VLLM_NO_USAGE_STATS": "1",
+        "DO_NOT_TRACK": "1",
+    }
 
 
 def engine_python(cfg: LaunchConfig) -> str:
@@ -30,7 +53,8 @@ def engine_python(cfg: LaunchConfig) -> str:
 
 
 def speculative_config(draft_dir: Path, spec_tokens: int) -> dict:
-    return {"method": "eagle3", "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
+    """vLLM's --speculative-config; the method (eagle3 or dflash) is the draft folder's own."""
+    return {"method": draft_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
 
 
 def vllm_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
@@ -52,7 +76,10 @@ def sglang_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
         cmd.append("--disable-custom-all-reduce")
     if cfg.trust_remote_code:
         cmd.append("--trust-remote-code")
-    if draft_dir is not None:
+    if draft_dir is not None and draft_method(draft_dir) == "dflash":
+        # SGLang drafts the config's block_size - 1 tokens a block; it has no per-request K for DFlash.
+        cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir)]
+    elif draft_dir is not None:
         # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
         cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
                 "--speculative-num-steps", str(cfg.spec_tokens), "--speculative-eagle-topk", "1",

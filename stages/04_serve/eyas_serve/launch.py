@@ -8,7 +8,6 @@ engine-core process that would otherwise outlive the API server).
 
 from __future__ import annotations
 
-import json
 import shlex
 import shutil
 import signal
@@ -20,36 +19,29 @@ from typing import Any
 import click
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
+from eyas_common.checkpoint import CONFIG, read_text_config
 from eyas_common.contract import Dataset, DatasetError, check_target, open_input
 from eyas_common.drafts import read_config
-from eyas_common.servers import VllmServer, log_tail, start_server, stop, wait_healthy
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command, engine_env
+from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
 
 
 def say(msg: str) -> None:
     click.echo(f"[eyas-serve] {msg}", err=True)
 
 
-def _hidden_size(config_json: Path) -> int | None:
-    """hidden_size of a model folder's config.json (the text model's, for multimodal wrappers like Kimi-K2.5)."""
-    cfg = json.loads(config_json.read_text())
-    for key in ("text_config", "language_config"):
-        if isinstance(cfg.get(key), dict) and "hidden_size" in cfg[key]:
-            return int(cfg[key]["hidden_size"])
-    return int(cfg["hidden_size"]) if "hidden_size" in cfg else None
-
-
 def check_draft(draft: str, model: str | Path, trust_remote_code: bool = False) -> tuple[Dataset, dict[str, Any]]:
     """Open drafts/NAME and refuse it unless it was made for MODEL: same tokenizer, same hidden size."""
     ds, manifest = open_input(draft, "drafts")
     model = Path(model)
-    if not (model / "config.json").is_file():
-        raise DatasetError(f"--model {model}: no config.json there; pass the local folder of the target")
+    try:
+        served = read_text_config(model).get("hidden_size")  # the text model's, for wrappers like Kimi-K2.5
+    except FileNotFoundError:
+        raise DatasetError(f"--model {model}: no {CONFIG} there; pass the local folder of the target") from None
     check_target(ds, manifest, target_fingerprint(load_tokenizer(model, trust_remote_code), model))
     made_for = read_config(ds.path).get("target_hidden_size")
-    served = _hidden_size(model / "config.json")
-    if made_for is not None and served is not None and int(made_for) != served:
+    if made_for is not None and served is not None and int(made_for) != int(served):
         raise DatasetError(f"{ds.ref} was trained for a target of hidden size {made_for} "
                            f"({(manifest.get('target') or {}).get('model')}), but {model} has hidden size "
                            f"{served}: serve it with its own target, or train a draft for this one (make train)")

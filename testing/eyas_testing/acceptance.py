@@ -6,7 +6,6 @@ For tests and bench/quality.py, which need the number and nothing else; users ru
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,9 +14,8 @@ from typing import Any
 import httpx
 
 from eyas_common.prompts import load_prompts
-from eyas_common.servers import running_vllm
-from eyas_serve.engines import speculative_config
 from eyas_serve.metrics import parse_vllm_metrics
+from eyas_testing.servers import running_vllm
 
 
 def vllm_acceptance(target: Path, draft: Path, prompts: Path, log: Path, *, spec_tokens: int = 3,
@@ -25,12 +23,11 @@ def vllm_acceptance(target: Path, draft: Path, prompts: Path, log: Path, *, spec
                     extra_args: Sequence[str] = ()) -> dict[str, Any]:
     """The server's spec counters after answering `prompts`, plus how the answers finished.
 
-    `extra_args` go to vLLM after the speculative config (e.g. `--enforce-eager`, which spares a deep target
-    minutes of graph capture at start-up on CPU).
+    `extra_args` go to vLLM last (e.g. `--enforce-eager`, which spares a deep target minutes of graph capture
+    at start-up on CPU).
     """
-    with running_vllm(target, log_path=log, timeout_s=timeout_s,
-                      extra_args=["--speculative-config", json.dumps(speculative_config(draft, spec_tokens)),
-                                  *extra_args]) as server:
+    with running_vllm(target, log_path=log, timeout_s=timeout_s, draft=draft, spec_tokens=spec_tokens,
+                      extra_args=extra_args) as server:
         def ask(messages: list[dict[str, Any]]) -> str:
             r = httpx.post(f"{server.url}/v1/chat/completions", timeout=600, json={
                 "model": str(target), "messages": messages, "temperature": 0.0, "max_tokens": max_tokens})

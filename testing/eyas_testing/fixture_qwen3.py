@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas_common import fixture as base
+from eyas_testing import fixture as base
 
 IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 

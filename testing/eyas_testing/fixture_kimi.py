@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas_common.fixture import (_batches, _cached, _evaluate, _log, _tokenizer_corpus, _train)
+from eyas_testing.fixture import (_batches, _cached, _evaluate, _log, _tokenizer_corpus, _train)
 
 REMOTE_CODE = Path(__file__).with_name("kimi_k25")
 REMOTE_FILES = ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py")
@@ -115,7 +115,7 @@ def _train_ranks(seed: int, base_vocab: int) -> list[bytes]:
     order, which is the rank order tiktoken merges by."""
     from tokenizers import Regex, Tokenizer, models, pre_tokenizers, trainers
 
-    from eyas_common.kimi_k25.tokenization_kimi import PAT_STR, byte_to_char
+    from eyas_testing.kimi_k25.tokenization_kimi import PAT_STR, byte_to_char
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.Sequence([
@@ -134,7 +134,7 @@ def _train_ranks(seed: int, base_vocab: int) -> list[bytes]:
 
 def write_tokenizer(out: Path, seed: int) -> None:
     """tiktoken.model, tokenizer_config.json (remote-code auto_map, specials) and the chat template."""
-    from eyas_common.kimi_k25.tokenization_kimi import NOT_SKIPPED, special_names
+    from eyas_testing.kimi_k25.tokenization_kimi import NOT_SKIPPED, special_names
 
     ranks = _train_ranks(seed, KIMI_CONFIG["base_vocab"])
     with (out / "tiktoken.model").open("w") as f:

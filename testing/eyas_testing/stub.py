@@ -17,7 +17,7 @@ Faults, drawn once per chat request from a seeded RNG (rates are probabilities, 
     drop           the connection is closed without a response
 
 Use in-process (`start_stub`: its own event loop on a thread, for tests) or as a separate process
-(`spawn_stub`, or `python -m eyas_synth.stub --port P ...`, for benchmarks: a stub sharing the
+(`spawn_stub`, or `python -m eyas_testing.stub --port P ...`, for benchmarks: a stub sharing the
 client's GIL would slow the client down).
 """
 
@@ -296,13 +296,13 @@ def start_stub(port: int = 0, *, answer: Answer = tiny_answer, faults: Faults | 
 
 
 class StubProcess:
-    """A stub in a child process (`python -m eyas_synth.stub`); counts come from its /stats route."""
+    """A stub in a child process (`python -m eyas_testing.stub`); counts come from its /stats route."""
 
     def __init__(self, args: list[str], host: str = "127.0.0.1") -> None:
         env = dict(os.environ)
         package_root = str(Path(__file__).resolve().parent.parent)
         env["PYTHONPATH"] = os.pathsep.join(p for p in (package_root, env.get("PYTHONPATH")) if p)
-        self._proc = subprocess.Popen([sys.executable, "-m", "eyas_synth.stub", "--host", host, *args],
+        self._proc = subprocess.Popen([sys.executable, "-m", "eyas_testing.stub", "--host", host, *args],
                                       stdout=subprocess.PIPE, env=env, text=True)
         line = self._proc.stdout.readline() if self._proc.stdout else ""
         if not line.startswith("listening "):
@@ -345,7 +345,7 @@ def _load_answer(spec: str) -> Answer:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m eyas_synth.stub", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eyas_testing.stub", description=__doc__.split("\n\n")[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start)")
     p.add_argument("--fail-rate", type=float, default=0.0,

@@ -8,7 +8,7 @@ answers for it, in vLLM's shape: `"return_token_ids": true` gives top-level `pro
 `reasoning` (the text before `</think>`, as vLLM's kimi_k2 parser gives it) and `content`.
 Requests run one at a time (a tiny target on CPU); sampling honours temperature, top_p and seed.
 
-    python -m eyas_common.hf_server --model DIR [--trust-remote-code] [--port 8000]
+    python -m eyas_testing.hf_server --model DIR [--trust-remote-code] [--port 8000]
 Routes: POST /v1/chat/completions, GET /v1/models, GET /health.
 """
 
@@ -134,7 +134,7 @@ def handler_for(gen: Generator) -> type[BaseHTTPRequestHandler]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m eyas_common.hf_server", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m eyas_testing.hf_server", description=__doc__.split("\n\n")[0])
     p.add_argument("--model", type=Path, required=True, help="local model folder")
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000, help="0 picks a free port (printed on start); default 8000")

@@ -1,0 +1,334 @@
+"""The DFlash draft (eyas_train/dflash.py): shapes, its attention mask against a dense reference, what a
+block may see (the context before its anchor, its own block, nothing else), the slot weights and the loss,
+and that a tiny draft overfits one sample."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from eyas_common.methods import dflash_layers, eagle3_layers, to_dflash_ids
+from eyas_testing.servers import default_vllm_python
+from eyas_train.dflash import (BlockLoss, DFlashConfig, DFlashDraft, block_attention, block_labels,
+                               context_visible, default_block_size, default_draft_layers, default_gamma, leads,
+                               pad_anchors, sample_anchors, slot_weights, valid_anchors, vocab_ce)
+from eyas_train.dflash_export import (NOT_EXPORTED, exported_name, exported_tensors, hf_config, imported_state,
+                                      write_dflash_draft)
+from eyas_common.checkpoint import read_text_config as text_config
+
+
+def tiny_config(**over) -> DFlashConfig:
+    base = dict(vocab_size=50, hidden_size=32, target_hidden_size=32, num_features=3, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=8, intermediate_size=48, rms_norm_eps=1e-6,
+                max_position_embeddings=256, block_size=4, mask_token_id=49)
+    return DFlashConfig(**{**base, **over})
+
+
+def tiny_draft(seed: int = 0, **over) -> DFlashDraft:
+    torch.manual_seed(seed)
+    draft = DFlashDraft(tiny_config(**over)).double()
+    draft.init_weights(seed)
+    with torch.no_grad():
+        draft.embed.weight.normal_(0, 1)
+        draft.lm_head.weight.normal_(0, 0.3)
+    return draft
+
+
+def sample(length: int = 20, prompt: int = 6, seed: int = 1, features: int = 3, width: int = 32):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, 48, (1, length), generator=g)
+    aux = torch.randn(1, length, features * width, generator=g, dtype=torch.float64)
+    mask = torch.zeros(1, length, dtype=torch.long)
+    mask[:, prompt:] = 1
+    return ids, aux, mask
+
+
+def test_default_knobs_follow_the_target():
+    assert dflash_layers(36) == [2, 10, 18, 26, 34] and to_dflash_ids(dflash_layers(36)) == [1, 9, 17, 25, 33]
+    assert dflash_layers(8) == [2, 3, 4, 5, 6] and eagle3_layers(8) == [2, 4, 5]
+    assert len(dflash_layers(61)) == 5 and dflash_layers(5) == [2, 3]  # shallow targets get fewer
+    assert [default_draft_layers(n) for n in (8, 30, 36, 61)] == [1, 4, 5, 5]
+    assert default_block_size(128) == 8 and default_block_size(4096) == 16
+    assert [default_gamma(b) for b in (16, 10, 8, 4)] == [7.0, 5.0, 4.0, 4.0]
+    with pytest.raises(ValueError, match=">= 1"):
+        to_dflash_ids([0, 3])
+
+
+def test_slot_weights_decay_from_one():
+    w = slot_weights(8, 4.0)
+    assert w.shape == (7,) and w[0] == 1 and torch.allclose(w[1:] / w[:-1], torch.full((6,), math.exp(-0.25)))
+
+
+def test_anchors_are_completion_tokens_followed_by_one():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1])
+    assert valid_anchors(mask).tolist() == [2, 3, 6]
+    drawn = sample_anchors(torch.ones(100, dtype=torch.long), 10, torch.Generator().manual_seed(0))
+    assert drawn.numel() == 10 and drawn.tolist() == sorted(set(drawn.tolist())) and int(drawn.max()) < 99
+    anchors, real = pad_anchors([torch.tensor([2, 3]), torch.tensor([6])])
+    assert anchors.tolist() == [[2, 3], [6, 0]] and real.tolist() == [[True, True], [True, False]]
+    ids = torch.arange(8)[None]
+    labels, counted = block_labels(ids, mask[None], torch.tensor([[3, 6]]), torch.ones(1, 2, dtype=torch.bool), 4)
+    assert labels[0, 0].tolist() == [4, 5, 6] and counted[0, 0].tolist() == [True, False, True]
+    assert labels[0, 1, :1].tolist() == [7] and counted[0, 1].tolist() == [True, False, False]  # past the end
+
+
+def test_block_attention_matches_a_dense_masked_reference():
+    """Context keys before the anchor, every key of the block's own block (bidirectional), no other block's."""
+    g = torch.Generator().manual_seed(0)
+    r, heads, kv, a, b, d, t = 2, 4, 2, 3, 4, 8, 11
+    q = torch.randn(r, heads, a, b, d, generator=g, dtype=torch.float64)
+    ck, cv = (torch.randn(r, kv, t, d, generator=g, dtype=torch.float64) for _ in range(2))
+    bk, bv = (torch.randn(r, kv, a, b, d, generator=g, dtype=torch.float64) for _ in range(2))
+    anchors = torch.tensor([[0, 4, 9], [2, 3, 10]])  # anchor 0 sees no context row: its own block only
+    out = block_attention(q, ck, cv, bk, bv, context_visible(anchors, t))
+
+    keys = torch.cat([ck, bk.flatten(2, 3)], dim=2).repeat_interleave(2, dim=1)
+    values = torch.cat([cv, bv.flatten(2, 3)], dim=2).repeat_interleave(2, dim=1)
+    owner = torch.arange(a).repeat_interleave(b)                                     # block of each query/key
+    ctx_mask = torch.arange(t)[None, None, :] < anchors.repeat_interleave(b, dim=1)[..., None]
+    blk_mask = (owner[:, None] == owner[None, :]).expand(r, -1, -1)
+    mask = torch.cat([ctx_mask, blk_mask], dim=-1)[:, None]
+    ref = F.scaled_dot_product_attention(q.flatten(2, 3), keys, values, attn_mask=mask)
+    assert torch.allclose(out.flatten(2, 3), ref, atol=1e-12)
+
+
+def test_a_block_sees_its_context_and_its_block_only():
+    """The block at anchor p computed in the whole sample equals the block computed as vLLM would, from the
+    rows before p alone; other anchors in the same pass change nothing; later rows change nothing."""
+    draft = tiny_draft()
+    ids, aux, _ = sample()
+    full = draft(ids, aux, torch.tensor([[6, 9, 14]]))
+    for i, p in enumerate((6, 9, 14)):
+        # what the server has at that step: the context rows t < p and the anchor token x_p, nothing after
+        served_ids = torch.cat([ids[:, :p + 1], torch.zeros(1, 3, dtype=ids.dtype)], dim=1)
+        served_aux = torch.cat([aux[:, :p], torch.randn(1, 4, aux.shape[-1], dtype=aux.dtype)], dim=1)
+        alone = draft(served_ids, served_aux, torch.tensor([[p]]))
+        assert torch.allclose(full[0, i], alone[0, 0], atol=1e-10)
+
+
+def test_the_block_is_bidirectional():
+    """Slot 0 (the anchor) depends on the masked slots after it: its output moves with the mask embedding."""
+    draft = tiny_draft()
+    ids, aux, _ = sample()
+    before = draft(ids, aux, torch.tensor([[8]]))
+    with torch.no_grad():
+        draft.embed.weight[draft.cfg.mask_token_id] += 1.0
+    after = draft(ids, aux, torch.tensor([[8]]))
+    assert (before[0, 0, 0] - after[0, 0, 0]).abs().max() > 1e-4
+
+
+def test_loss_is_the_weighted_mean_of_the_slot_cross_entropies():
+    draft = tiny_draft()
+    ids, aux, mask = sample()
+    anchors, real = pad_anchors([valid_anchors(mask[0])])
+    module = BlockLoss(draft, gamma=2.0, chunk_rows=5)
+    denom = module.denominator(mask, anchors, real)
+    loss, stats, lead = module(ids, aux, mask, anchors, real, denom)
+
+    states = draft(ids, aux, anchors)[:, :, 1:]
+    labels, counted = block_labels(ids, mask, anchors, real, 4)
+    ce = F.cross_entropy(draft.lm_head(states).flatten(0, 2), labels.flatten(), reduction="none").view(labels.shape)
+    w = slot_weights(4, 2.0).double()
+    assert torch.isclose(denom, (w * counted).sum().float())
+    assert torch.allclose(loss, (ce * w * counted).sum() / (w * counted).sum())
+    assert stats[:, 2].tolist() == counted.sum((0, 1)).tolist()
+    assert torch.allclose(stats[:, 0], (ce * counted).sum((0, 1)))
+    hits = draft.lm_head(states).argmax(-1) == labels
+    assert lead.tolist() == leads(hits, counted).tolist()
+    assert leads(torch.tensor([[[True, False, True], [True, True, True]]]), torch.ones(1, 2, 3, dtype=torch.bool)
+                 ).tolist() == [[1, 3]]
+
+
+def test_chunked_cross_entropy_gives_autograd_gradients():
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(7, 6, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    labels = torch.randint(0, 11, (7,), generator=g)
+    ce, best = vocab_ce(h, w, labels, chunk_rows=3)
+    (ce * torch.arange(7)).sum().backward()
+    ref_h = h.detach().clone().requires_grad_()
+    ref = F.cross_entropy(ref_h @ w.T, labels, reduction="none")
+    (ref * torch.arange(7)).sum().backward()
+    assert torch.allclose(ce, ref) and torch.allclose(h.grad, ref_h.grad)
+    assert best.tolist() == (ref_h @ w.T).argmax(-1).tolist()
+
+
+def test_a_tiny_draft_overfits_one_sample():
+    draft = tiny_draft(num_hidden_layers=1).float()
+    ids, aux, mask = sample(length=24, prompt=4)
+    anchors, real = pad_anchors([valid_anchors(mask[0])])
+    module = BlockLoss(draft, gamma=4.0)
+    denom = module.denominator(mask, anchors, real)
+    opt = torch.optim.Adam([p for p in module.parameters() if p.requires_grad], lr=1e-2)
+    losses = []
+    for _ in range(60):
+        loss, stats, _ = module(ids, aux.float(), mask, anchors, real, denom)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(float(loss.detach()))
+    acc = stats[:, 1].sum() / stats[:, 2].sum()
+    assert losses[-1] < 0.3 * losses[0] and acc > 0.8, (losses[0], losses[-1], float(acc))
+
+
+# ------------------------------------------------------------------------------------------------
+# export
+
+
+def test_every_weight_has_an_exported_name_and_comes_back():
+    """Name-map coverage: every trained tensor is exported under a server name, the target's own are not, and
+    the export reads back into the same module."""
+    draft = tiny_draft(num_hidden_layers=3)
+    state = draft.state_dict()
+    tensors = exported_tensors(state, torch.float32)
+    assert set(tensors) == {exported_name(n) for n in state if n not in NOT_EXPORTED}
+    assert not any("embed" in n or "lm_head" in n for n in tensors)
+    assert "layers.2.self_attn.k_norm.weight" in tensors and "hidden_norm.weight" in tensors
+    back = imported_state(tensors, 3)
+    assert set(back) == set(state) - NOT_EXPORTED
+    assert all(torch.equal(back[n], state[n].float()) for n in back)
+    with pytest.raises(KeyError, match="does not map"):
+        exported_tensors({**state, "extra.weight": torch.zeros(1)}, torch.float32)
+
+
+def test_config_names_the_dflash_keys_both_servers_read():
+    cfg = tiny_config(num_features=5)
+    out = hf_config(cfg, [2, 3, 4, 5, 6], {"num_hidden_layers": 8, "eos_token_id": 2}, torch.bfloat16, "[PAD]")
+    assert out["architectures"] == ["DFlashDraftModel"] and out["model_type"] == "qwen3"
+    assert out["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]  # layer outputs: aux id - 1
+    assert out["dflash_config"]["mask_token_id"] == 49 and out["block_size"] == out["dflash_config"]["block_size"] == 4
+    assert "eagle_config" not in out and "eagle_aux_hidden_state_layer_ids" not in out and "layer_types" not in out
+    assert out["torch_dtype"] == "bfloat16" and out["num_target_layers"] == 8
+
+
+@pytest.mark.vllm
+def test_vllm_loads_the_export_with_its_own_loader(fixture_target, tmp_path):
+    """vLLM 0.32's config code and DFlashQwen3ForCausalLM.load_weights read an eyas export: the method, the
+    capture layers, the mask token, non-causal attention, and every weight equal to what eyas wrote; the
+    embedding and lm_head are left to the target's."""
+    target = text_config(fixture_target)
+    cfg = tiny_config(vocab_size=target["vocab_size"], hidden_size=128, target_hidden_size=128, num_features=5,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=32, intermediate_size=320,
+                      block_size=8, mask_token_id=0, rope_parameters=target["rope_parameters"])
+    draft = DFlashDraft(cfg)
+    draft.init_weights(0)
+    write_dflash_draft(tmp_path / "draft", draft.state_dict(), cfg, [2, 3, 4, 5, 6], target, "[PAD]")
+    probe = Path(__file__).with_name("vllm_dflash_probe.py")
+    run = subprocess.run([str(default_vllm_python()), str(probe), str(fixture_target), str(tmp_path / "draft"), "7"],
+                         capture_output=True, text=True, timeout=900)
+    lines = [x for x in run.stdout.splitlines() if x.startswith("PROBE ")]
+    assert run.returncode == 0 and lines, run.stderr[-3000:]
+    got = json.loads(lines[-1].removeprefix("PROBE "))
+    assert got["class"] == "DFlashQwen3ForCausalLM" and got["method"] == "dflash", got
+    assert got["aux_layers"] == [2, 3, 4, 5, 6] and got["mask_token_id"] == 0 and got["non_causal"], got
+    assert got["fc_in"] == 5 * 128 and got["layers"] == 2 and got["num_speculative_tokens"] == 7, got
+    assert got["compared"] and all(got["compared"].values()), got
+    # q/k/v and gate/up are stacked in vLLM: three fewer parameters per layer than exported tensors
+    assert len(got["compared"]) == len(exported_tensors(draft.state_dict(), torch.float32)) - 3 * 2, got
+    assert set(got["unloaded"]) == {"lm_head.weight", "model.embed_tokens.weight", "model.mask_embedding"}, got
+    assert not got["own_lm_head"] and not got["own_embed"], got
+
+
+def test_packed_rows_keep_samples_apart():
+    """Two samples end to end in one row (segment / positions, as data.collate lays them) give each sample's
+    blocks exactly what it gets alone."""
+    draft = tiny_draft()
+    (ids_a, aux_a, mask_a), (ids_b, aux_b, mask_b) = sample(12, 3, seed=1), sample(9, 2, seed=2)
+    ids, aux, mask = (torch.cat(p, dim=1) for p in ((ids_a, ids_b), (aux_a, aux_b), (mask_a, mask_b)))
+    segment = torch.tensor([[1] * 12 + [2] * 9])
+    positions = torch.cat([torch.arange(12), torch.arange(9)])[None]
+    anchors = sample_anchors(mask[0], 100, segment=segment[0])
+    assert anchors.tolist() == list(range(3, 11)) + list(range(14, 20))  # never the last token of a sample
+    packed = draft(ids, aux, anchors[None], positions, segment)
+    alone_a = draft(ids_a, aux_a, valid_anchors(mask_a[0])[None])
+    alone_b = draft(ids_b, aux_b, valid_anchors(mask_b[0])[None])
+    assert torch.allclose(packed[0, :8], alone_a[0], atol=1e-10)
+    assert torch.allclose(packed[0, 8:], alone_b[0], atol=1e-10)
+    labels, counted = block_labels(ids, mask, anchors[None], torch.ones(1, 14, dtype=torch.bool), 4, segment)
+    assert counted[0, 7].tolist() == [True, False, False]  # the block at 10 stops at its sample's end
+
+
+# ------------------------------------------------------------------------------------------------
+# the run, on the fixture target: extraction of the DFlash layers (fp8, top-k), `--method dflash`, export
+
+
+@pytest.fixture(scope="module")
+def dflash_hidden(fixture_target, tmp_path_factory):
+    from eyas_extract.run import run as extract
+    from eyas_testing.datasets import generate_samples, write_synth
+
+    root = tmp_path_factory.mktemp("dflash")
+    synth = write_synth(root, "fx", generate_samples(fixture_target, 16, seed=5, max_new_tokens=48), fixture_target)
+    extract(synth=synth.ref, model=fixture_target, name="fx5", layers=dflash_layers(8), teacher="topk", topk=4,
+            aux_dtype="fp8", shard_samples=8, data_root=root, progress=False)
+    return root
+
+
+def test_run_method_dflash_trains_and_exports(dflash_hidden, fixture_target):
+    from eyas_common.contract import Dataset
+    from eyas_train.dflash_export import load_dflash_draft
+    from eyas_train.train import export_checkpoint
+    from eyas_train.train import run as train
+
+    root = dflash_hidden
+    path = train(hidden="hidden/fx5", model=fixture_target, name="dfl", data_root=root, method="dflash", epochs=3,
+                 batch_size=4, val_samples=4, log_every=1, ckpt_every=3, anchors=16)
+    m = Dataset.parse("dfl", "drafts", root).read_manifest()
+    draft_params, stats = m["params"]["draft"], m["stats"]
+    assert m["status"] == "complete" and m["params"]["aux_layers"] == [2, 3, 4, 5, 6]
+    # the knobs resolved from the target: width 128 -> blocks of 8, 8 layers -> one draft layer
+    assert draft_params["block_size"] == 8 and draft_params["num_hidden_layers"] == 1
+    assert draft_params["num_features"] == 5
+    assert draft_params["mask_token_id"] == 0  # [PAD]: a special token no completion uses
+    assert len(stats["final"]["step_acc"]) == 7 and sorted(stats["predicted_acceptance"], key=int) == list("1234567")
+    assert all(1 <= v <= 1 + int(k) for k, v in stats["predicted_acceptance"].items())
+    cfg = json.loads((path / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
+    assert cfg["dflash_config"]["mask_token"] == "[PAD]"
+    draft, aux = load_dflash_draft(path, fixture_target)
+    assert aux == [2, 3, 4, 5, 6] and draft.cfg.block_size == 8
+    snap = export_checkpoint("dfl", out="dfl_snap", data_root=root)  # a re-export of the last checkpoint
+    assert json.loads((snap / "config.json").read_text())["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
+
+
+def test_serve_command_lines_follow_the_draft_method(tmp_path):
+    from eyas_common.drafts import read_config
+    from eyas_serve.config import LaunchConfig
+    from eyas_serve.engines import engine_command
+
+    cfg = tiny_config(num_features=5)
+    write_dflash_draft(tmp_path, DFlashDraft(cfg).state_dict(), cfg, [2, 3, 4, 5, 6], {"num_hidden_layers": 8})
+    assert read_config(tmp_path)["block_size"] == 4
+    launch = LaunchConfig(engine="vllm", model="/models/target", python="python3", spec_tokens=3)
+    cmd = engine_command(launch, tmp_path)
+    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+    assert spec == {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 3}
+    sglang = engine_command(LaunchConfig(engine="sglang", model="/models/target", python="python3"), tmp_path)
+    assert sglang[sglang.index("--speculative-algorithm") + 1] == "DFLASH"
+    assert "--speculative-eagle-topk" not in sglang
+    assert sglang[sglang.index("--speculative-draft-model-path") + 1] == str(tmp_path)
+
+
+@pytest.mark.vllm
+def test_vllm_serves_a_trained_dflash_draft(dflash_hidden, fixture_target):
+    """Real vLLM (CPU) serves a DFlash draft trained on the fixture (`"method": "dflash"`, K = block size - 1)
+    and counts its drafts. A floor that proves the path; the quality of DFlash drafts is bench/quality.py's."""
+    from eyas_testing.acceptance import vllm_acceptance
+    from eyas_testing.fixture import write_prompts_jsonl
+    from eyas_train.train import run as train
+
+    root = dflash_hidden
+    path = train(hidden="hidden/fx5", model=fixture_target, name="dfl_vllm", data_root=root, method="dflash",
+                 epochs=5, batch_size=4, val_samples=0, log_every=100)
+    prompts = write_prompts_jsonl(root / "heldout5.jsonl", 5, seed=11)
+    got = vllm_acceptance(fixture_target, path, prompts, root / "vllm_dflash.log", spec_tokens=7, max_tokens=64,
+                          extra_args=["--enforce-eager"])
+    print(json.dumps(got))
+    assert got["drafts"] > 0 and got["draft_tokens"] == 7 * got["drafts"], got
+    assert 1.0 <= got["acceptance_length"] <= 8.0 and len(got["per_position"]) == 7, got
