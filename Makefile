@@ -36,6 +36,8 @@ SYNTH_ARGS  ?=
 SYNTH        ?=
 HIDDEN       ?=
 EXTRACT_ARGS ?=
+# FOLLOW=1: extract a synth dataset while eyas-synth still writes it (eyas-extract run --follow)
+FOLLOW       ?=
 TRAIN_ARGS   ?=
 BACKEND      ?= hf
 NPROC        ?= 1
@@ -275,11 +277,11 @@ synth: $(LOCAL_DEPS) ## stage 01: N PROMPTS SERVER MODEL NAME [TRUST_REMOTE_CODE
 	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,validate $(NAME) $(TRC))
 
 EXTRACT_RUN = run --synth $(SYNTH) --model $(call path_arg,$(MODEL)) --name $(NAME) --backend $(BACKEND) \
-  $(TRC) $(EXTRACT_ARGS)
+  $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(EXTRACT_ARGS)
 # a local --backend vllm run needs .venv-vllm
 EXTRACT_DEPS = $(LOCAL_DEPS) $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),vllm)
 extract: $(EXTRACT_DEPS) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_CODE=1 BACKEND=hf|vllm NPROC
-##   EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
+##   FOLLOW=1 EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
 	$(call require,SYNTH MODEL NAME,make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name \
 	  [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8'])
 	$(call run_stage,extract,$(EXTRACT_LOCAL),,$(EXTRACT_RUN),$(EXTRACT_MODULE))

@@ -45,6 +45,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         pytest.fail(f"vLLM tests need {default_vllm_python()}: run `make vllm` first", pytrace=False)
 
 
+@pytest.fixture(scope="module")
+def one_torch_thread() -> Iterator[None]:
+    """torch on one thread for a module (`pytestmark = pytest.mark.usefixtures("one_torch_thread")`)."""
+    import torch
+
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def fixture_target() -> Path:
     return build_fixture()

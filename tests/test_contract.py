@@ -234,3 +234,24 @@ def test_samples_reader_refuses_a_bad_line_naming_file_line_and_fix(tmp_path):
     with pytest.raises(DatasetError, match=r"samples\.jsonl:2: malformed JSON record .*; the synth dataset is "
                                            r"corrupted: check it with `eyas-data verify`"):
         index_samples(path, vocab_size=4)
+
+
+def test_an_interrupt_while_the_lock_record_is_written_releases_it(tmp_path, monkeypatch, capsys):
+    """SIGTERM lands between the flock and the record's fsync (the `with` body never starts): the lock is
+    released there, so the next writer starts cleanly instead of taking over from a 'crashed' holder."""
+    from eyas_common.lock import WriterLock, holder
+
+    ds = Dataset.parse("d", "drafts", tmp_path)
+
+    def interrupted(fd):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(os, "fsync", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        with WriterLock(ds, stage="t"):
+            pass
+    monkeypatch.undo()
+    assert holder(ds) is None
+    with WriterLock(ds, stage="t") as lock:
+        assert lock.took_over is None
+    assert "taking over" not in capsys.readouterr().err

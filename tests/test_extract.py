@@ -37,13 +37,8 @@ SYNTH = "synth/fx"
 SMALL = {"shard_samples": 3, "batch_tokens": 160, "progress": False}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    # Tiny matmuls on a shared 2-core machine: one thread is many times faster than two fighting.
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# Tiny matmuls on a shared 2-core machine: one thread is many times faster than two fighting.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

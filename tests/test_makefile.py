@@ -59,6 +59,12 @@ def test_eval_uses_spec_tokens(knobs, want):
     assert shlex.split(line)[-2:] == ["--spec-tokens", want], line
 
 
+@pytest.mark.parametrize("follow, flags", [("1", 1), ("yes", 1), ("", 0), ("0", 0)])
+def test_extract_follow_knob(follow, flags):
+    line = dry_lines("extract", SYNTH="synth/s", MODEL="/models/K", NAME="h", FOLLOW=follow)[-1]
+    assert shlex.split(line).count("--follow") == flags, line
+
+
 @pytest.mark.parametrize("knobs", [{"DATASET": "synth/s"}, {"REF": "synth/s"}], ids=["DATASET", "old-REF"])
 def test_rm_data_takes_dataset_like_clean_remote(knobs):
     assert dry_lines("rm-data", **knobs)[-1].endswith("/bin/eyas-data rm synth/s")

@@ -328,6 +328,42 @@ class JsonlAppender:
         self.close()
 
 
+class JsonlTail:
+    """Reads a JSONL file while another process appends to it: each `read_new` returns the records
+    completed since the last call, as (line number, byte offset, record).
+
+    A last line without its newline is still being written (JsonlAppender's buffered writes land in pieces),
+    or was torn by a kill and will be cut by the writer's next open: it is not a record yet, and is read
+    once its newline is there. A complete line that does not parse is refused, like iter_jsonl_at does.
+    """
+
+    def __init__(self, path: Path, *, fix: str = ""):
+        self.path, self.fix = Path(path), fix
+        self.pos = 0      # byte offset just after the last complete line read
+        self.lineno = 0
+
+    def read_new(self) -> list[tuple[int, int, Any]]:
+        if not self.path.exists():
+            return []
+        with open(self.path, "rb") as f:
+            if os.fstat(f.fileno()).st_size < self.pos:
+                raise DatasetError(f"{self.path}: shrank below the {self.pos} bytes already read (replaced or cut "
+                                   f"by hand while being read){'; ' + self.fix if self.fix else ''}")
+            f.seek(self.pos)
+            data = f.read()
+        records = []
+        for line in data[:data.rfind(b"\n") + 1].split(b"\n")[:-1]:
+            self.lineno += 1
+            start, self.pos = self.pos, self.pos + len(line) + 1
+            if not line.strip():
+                continue
+            try:
+                records.append((self.lineno, start, json.loads(line)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as e:
+                raise _malformed(self.path, self.lineno, line, e, self.fix) from None
+        return records
+
+
 # ---------------------------------------------------------------------------------------------
 # Manifests
 

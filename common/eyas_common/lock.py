@@ -53,10 +53,16 @@ class WriterLock:
                   f"which is no longer running (its partial output is checked on resume)", file=sys.stderr)
         me = {"host": socket.gethostname(), "pid": os.getpid(), "started": now_iso(), "stage": self.stage,
               "argv": sys.argv}
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
-        os.fsync(fd)
         self._fd = fd
+        try:
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, (json.dumps(me) + "\n").encode(), 0)
+            os.fsync(fd)
+        except BaseException:
+            # Ctrl-C or SIGTERM while the record is written (the `with` body never starts, so its exit never
+            # runs): release here, or the next writer would take the record for a crashed holder's
+            self.release()
+            raise
         return self
 
     def release(self) -> None:
@@ -74,6 +80,29 @@ class WriterLock:
 
     def __exit__(self, *exc: Any) -> None:
         self.release()
+
+
+def holder(ds: Dataset, part: str = "") -> dict[str, Any] | None:
+    """Who writes `ds` now: the lock's record while a live process holds its flock, None when nobody does
+    (never written, released, or its holder died: the kernel dropped the flock). Writes nothing.
+
+    Asked with a shared flock taken and dropped at once, so a writer starting in that instant could be
+    refused as if a second writer held the lock; it is microseconds, and its rerun goes through.
+    """
+    try:
+        fd = os.open(lock_file(ds, part), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            # held; between its flock and its pwrite the record may still be empty
+            return _read(fd) or {"host": "?", "pid": "?", "started": "?"}
+        fcntl.flock(fd, fcntl.LOCK_UN)
+        return None
+    finally:
+        os.close(fd)
 
 
 def _read(fd: int) -> dict[str, Any] | None:

@@ -27,7 +27,8 @@ One JSON object per line of `samples.jsonl`:
     server         str, which server answered (only in samples that came from one)
 A record is made by `new_sample` and only there; `write_dataset` writes a complete dataset of them at once
 (synth appends them one by one). Stage 02 reads them through `index_samples` and `read_tokens`, which
-check the fields it uses (`token_problems`); `validate_sample` checks everything.
+check the fields it uses (`token_problems`), or while synth still writes them through `SynthTail`
+(`eyas-extract run --follow`); `validate_sample` checks everything.
 """
 
 from __future__ import annotations
@@ -39,8 +40,9 @@ from pathlib import Path
 from typing import Any, Iterable
 
 from eyas_common.chat import ChatTokens, render_prompt
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, iter_jsonl_at,
-                                  new_manifest)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, JsonlTail, finalize, iter_jsonl,
+                                  iter_jsonl_at, new_manifest)
+from eyas_common.lock import holder
 
 SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
 ANSWERED = (SAMPLES, TRUNCATED, REJECTED)  # files whose ids count as done: a rerun never asks for them again
@@ -140,22 +142,29 @@ class SampleLine:
     pos: int  # byte offset of its line
 
 
+CORRUPTED = (f"the synth dataset is corrupted: check it with `eyas-data verify`, then remake it with "
+             f"{REMAKE['synth']}")
+
+
+def sample_line(path: Path, lineno: int, pos: int, rec: Any, *, vocab_size: int, seen: set[int]) -> SampleLine:
+    """Where one sample of samples.jsonl lies, once the fields stage 02 uses are checked and its id is new
+    (`seen` collects the ids); a bad line is refused naming file, line and the fix."""
+    problems = token_problems(rec, vocab_size)
+    if not problems and rec["id"] in seen:
+        problems = [f"sample id {rec['id']} appears twice"]
+    if problems:
+        raise DatasetError(f"{path}:{lineno}: {problems[0]}; the synth dataset is invalid: run `eyas-synth "
+                           f"validate` on it and remake it with {REMAKE['synth']}")
+    seen.add(rec["id"])
+    return SampleLine(rec["id"], len(rec["input_ids"]), sum(rec["loss_mask"]), pos)
+
+
 def index_samples(path: Path, vocab_size: int) -> list[SampleLine]:
     """Read and check every sample of a samples.jsonl once, keeping only where it is (the tokens are read
     again per shard by read_tokens); ascending id. A bad line is refused naming file, line and the fix."""
-    refs: list[SampleLine] = []
     seen: set[int] = set()
-    corrupted = (f"the synth dataset is corrupted: check it with `eyas-data verify`, then remake it with "
-                 f"{REMAKE['synth']}")
-    for lineno, pos, rec in iter_jsonl_at(path, fix=corrupted):
-        problems = token_problems(rec, vocab_size)
-        if not problems and rec["id"] in seen:
-            problems = [f"sample id {rec['id']} appears twice"]
-        if problems:
-            raise DatasetError(f"{path}:{lineno}: {problems[0]}; the synth dataset is invalid: run `eyas-synth "
-                               f"validate` on it and remake it with {REMAKE['synth']}")
-        seen.add(rec["id"])
-        refs.append(SampleLine(rec["id"], len(rec["input_ids"]), sum(rec["loss_mask"]), pos))
+    refs = [sample_line(path, lineno, pos, rec, vocab_size=vocab_size, seen=seen)
+            for lineno, pos, rec in iter_jsonl_at(path, fix=CORRUPTED)]
     if not refs:
         raise DatasetError(f"{path}: no samples; remake the synth dataset with {REMAKE['synth']}")
     return sorted(refs, key=lambda r: r.id)
@@ -172,6 +181,64 @@ def read_tokens(path: Path, refs: list[SampleLine]) -> list[tuple[list[int], lis
                 raise DatasetError(f"{path}: changed while being read (sample {r.id} moved); rerun")
             out.append((rec["input_ids"], rec["loss_mask"]))
     return out
+
+
+class SynthTail:
+    """A synth dataset read while eyas-synth may still be writing it (`eyas-extract run --follow`).
+
+    An id is *decided* once it is kept (samples.jsonl), set aside (truncated.jsonl) or rejected
+    (rejected.jsonl): no run asks for it again. A failed id (failures.jsonl) is not: the next synth run
+    retries it. Once the manifest is complete every id is decided (the missing ones were accepted short).
+    `take_ready` hands out, in id order and once each, the samples every smaller id of which is decided:
+    the samples a complete dataset would have in that place, whatever is appended later.
+    """
+
+    def __init__(self, ds: Dataset, vocab_size: int):
+        self.ds, self.vocab_size = ds, vocab_size
+        self.tails = {name: JsonlTail(ds.path / name, fix=CORRUPTED) for name in ANSWERED}
+        self.seen: set[int] = set()                 # ids of samples.jsonl so far (a repeated one is refused)
+        self.present: dict[int, SampleLine] = {}    # samples read and not yet handed out
+        self.decided: set[int] = set()              # decided ids at or above `prefix`
+        self.prefix = 0                             # every id below it is decided
+        self.manifest: dict[str, Any] = {}
+        self.writer: dict[str, Any] | None = None   # the lock record of the synth run writing it, if one is
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.get("status") == "complete"
+
+    @property
+    def n_decided(self) -> int:
+        return self.prefix + len(self.decided)
+
+    def poll(self) -> None:
+        """Read what was appended since the last poll. The writer is asked first, then the manifest, then the
+        files: a writer found gone has flushed everything, and synth marks the manifest complete only after
+        its last append, so a complete manifest read here comes with every sample."""
+        self.writer = holder(self.ds)
+        self.manifest = self.ds.read_manifest()
+        for name, tail in self.tails.items():
+            for lineno, pos, rec in tail.read_new():
+                if name == SAMPLES:
+                    line = sample_line(tail.path, lineno, pos, rec, vocab_size=self.vocab_size, seen=self.seen)
+                    self.present[line.id] = line
+                elif not isinstance(rec, dict) or not isinstance(rec.get("id"), int):
+                    raise DatasetError(f"{tail.path}:{lineno}: a record without an integer id; {CORRUPTED}")
+                sid = rec["id"]
+                if sid >= self.prefix:
+                    self.decided.add(sid)
+
+    def take_ready(self) -> list[SampleLine]:
+        """The samples whose place in id order is now settled, ascending; each is handed out once."""
+        ready = []
+        while self.prefix in self.decided:
+            self.decided.discard(self.prefix)
+            if self.prefix in self.present:
+                ready.append(self.present.pop(self.prefix))
+            self.prefix += 1
+        if self.complete:
+            ready += [self.present.pop(i) for i in sorted(self.present)]
+        return ready
 
 
 def completion_start(loss_mask: list[int]) -> int:

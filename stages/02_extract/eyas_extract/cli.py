@@ -40,7 +40,7 @@ def main() -> None:
 
 
 @main.command()
-@click.option("--synth", required=True, help="Input synth dataset, synth/NAME (must be complete).")
+@click.option("--synth", required=True, help="Input synth dataset, synth/NAME (complete, or still being written with --follow).")
 @click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
               help="Local path of the target the synth dataset was made with (same tokenizer and chat template).")
 @click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/hidden/NAME (resumes it if present).")
@@ -78,12 +78,19 @@ def main() -> None:
               help="Plan for this machine instead of the detected one: NxSIZE (8x96GB) or cpu:SIZE (with --dry-run).")
 @click.option("--dry-run", is_flag=True,
               help="Print the placement plan, the disk bill and the estimated time, then stop (nothing loaded).")
+@click.option("--follow", is_flag=True,
+              help="Take a synth dataset still being written: extract each shard as soon as every id up to it is "
+                   "decided (kept, set aside or rejected), list it in the partial manifest, end when synth is complete. "
+                   "Exits 1 when synth stops partial. One worker: no --shard, no torchrun.")
+@click.option("--poll-seconds", type=click.FloatRange(min=0, min_open=True), default=D["poll_seconds"].default,
+              help="With --follow: seconds between two reads of the synth dataset's files.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.
 
     Prints the disk bill first and refuses when the volume cannot hold it. Rerun the same command to
-    resume: finished shards are kept, a killed shard is redone.
+    resume: finished shards are kept, a killed shard is redone. With --follow the shards are the same,
+    byte for byte, as a run over the finished synth dataset makes.
     """
     run_extract(ExtractOptions(**kwargs), progress=not quiet)
 

@@ -21,7 +21,7 @@ BACKENDS = ("hf", "vllm")
 class ExtractOptions:
     """What `eyas-extract run` is asked (its options, defaults as in --help); `run` resolves them."""
 
-    synth: str                    # input synth dataset, synth/NAME (must be complete)
+    synth: str                    # input synth dataset, synth/NAME (complete, or being written with follow)
     model: Path                   # local path of the target the synth dataset was made with
     name: str                     # output dataset: hidden/NAME (resumed if present)
     backend: str = "hf"           # hf: transformers + forward hooks; vllm: vLLM's extract_hidden_states
@@ -43,6 +43,8 @@ class ExtractOptions:
     max_memory: dict[str, str] | None = None  # with a device_map: budget per device; None: the planner's
     devices: str | None = None    # plan for this machine instead of the detected one (dry runs only)
     dry_run: bool = False         # print the placement plan, the disk bill and the estimated time, then stop
+    follow: bool = False          # take a synth dataset still being written, each shard once final (follow.py)
+    poll_seconds: float = 5.0     # with follow: how often synth's files are read again
 
 
 @dataclass

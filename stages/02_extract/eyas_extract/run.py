@@ -9,6 +9,7 @@ redoes the rest, so a killed run resumes by rerunning it. The last worker to fin
 
 from __future__ import annotations
 
+import functools
 import queue
 import shutil
 import socket
@@ -36,6 +37,7 @@ from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_n
 
 from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
+from eyas_extract.follow import Follower, check_shards, list_shards, resume_terms
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 
@@ -91,11 +93,21 @@ def _open_dataset(job: Job, *, allow_code_change: bool) -> dict[str, Any]:
     """The hidden manifest: new, or the existing one after checking it was made the same way (a complete one
     is returned as it is). Every check runs before the first write, so a refused rerun changes nothing."""
     ds = job.ds
+    inputs, made_with = resume_terms(ds, job.sds, follow=job.follower is not None, num_shards=job.cfg.num_shards)
     manifest = open_output(ds, stage="02_extract", params=asdict(job.cfg), may_change=MAY_CHANGE,
-                           target=job.smanifest.get("target"), inputs=[input_ref(job.sds)],
+                           target=job.smanifest.get("target"), inputs=inputs, made_with=made_with,
                            allow_code_change=allow_code_change, complete="keep",
                            fix="resume it with the same options (and the same synth dataset), or pick another --name")
-    if manifest.get("status") != "complete" and (job.todo or not ds.exists()):
+    if manifest.get("status") == "complete":
+        return manifest
+    there: list[int] = []
+    if made_with is not None:  # resumed on --follow's terms: the shards there must be the plan's
+        there = check_shards(ds, job.sds.ref, job.plan)
+        manifest["inputs"] = [input_ref(job.sds)]
+    if job.follower is not None:
+        ds.path.mkdir(parents=True, exist_ok=True)
+        list_shards(ds, manifest, job.plan, there)
+    elif job.todo or not ds.exists():
         ds.path.mkdir(parents=True, exist_ok=True)
         ds.write_manifest(manifest)
     return manifest
@@ -176,6 +188,7 @@ class Job:
     parts: int
     plan: list = field(default_factory=list)    # every shard's samples (batching.plan_shards)
     todo: list[int] = field(default_factory=list)  # this worker's shards still to make
+    follower: Follower | None = None  # --follow: synth as it is being written, and the shards it makes final
 
     @property
     def workers(self) -> int:
@@ -223,7 +236,7 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
         for j in job.mine:  # temp files of this worker's shards, left by a killed run (the lock says it is gone)
             for tmp in temp_files(job.ds.path / shard_name(j)):
                 tmp.unlink()
-        stats = _work(job, progress, t_start)
+        stats = _work(job, manifest, progress, t_start)
     if job.ranks.world > 1:
         import torch.distributed as dist
 
@@ -246,6 +259,8 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
                            f"expected one of {BACKENDS}, {TEACHERS}, {AUX_DTYPES}")
     part, parts = parse_shard(opts.shard)
     ranks = torchrun_ranks()
+    if opts.follow:
+        _refuse_follow(opts, parts, ranks.world)
     if ranks.world > 1 and (opts.backend == "vllm" or opts.device_map):
         raise DatasetError("under torchrun each rank runs its own copy of the target on its own GPU: --backend vllm "
                            "and --device-map need a process of their own; split hosts or GPUs with --shard I/N instead")
@@ -254,7 +269,11 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
 
         require_vllm()
     model = Path(opts.model)
-    sds, smanifest, fingerprint = _open_synth(opts.synth, model, opts.trust_remote_code, data_root)
+    sds, smanifest, fingerprint = _open_synth(opts.synth, model, opts.trust_remote_code, data_root,
+                                              follow=opts.follow)
+    if opts.follow and opts.backend == "vllm" and not _follow_max_len(smanifest):
+        raise DatasetError(f"--follow --backend vllm sizes vLLM by the synth server's context, which {sds.ref} does "
+                           f"not record (params.max_model_len); follow it with --backend hf")
     num_layers, hidden, vocab = _model_dims(model)
     # the layer ids are the dataset's record of what it holds (params.layers); the method only picks them
     layers = list(opts.layers) if opts.layers else default_layers(opts.method, num_layers)
@@ -276,29 +295,56 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
         device_map=opts.device_map, trust_remote_code=opts.trust_remote_code)
     cfg.shard_tokens = max(1, opts.shard_mb * (1 << 20) // bytes_per_token(cfg))
     job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(opts.name, "hidden", data_root), dev, ranks, part, parts)
-    index = index_samples(sds.path / SAMPLES, vocab) if (sds.path / SAMPLES).exists() else []
-    if not index:
-        raise DatasetError(f"{sds.ref} holds no samples ({SAMPLES} is empty or missing): nothing to extract; "
-                           f"remake it with {REMAKE['synth']}")
-    job.plan = plan_shards(index, opts.shard_samples, cfg.shard_tokens)
-    cfg.num_shards = len(job.plan)
-    job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
+    _cut(job, follow=opts.follow, poll_s=opts.poll_seconds)
     return job
 
 
-def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Path | None
+def _refuse_follow(opts: ExtractOptions, parts: int, world: int) -> None:
+    """--follow runs as one process: it alone writes the manifest's list of final shards."""
+    if parts > 1 or world > 1:
+        why = f"--shard {opts.shard}" if parts > 1 else f"torchrun ({world} ranks)"
+        raise DatasetError(f"--follow runs as one worker, the one writer of the manifest's shard list: run it "
+                           f"without {why}")
+    if opts.poll_seconds <= 0:
+        raise DatasetError(f"--poll-seconds {opts.poll_seconds}: must be above 0")
+
+
+def _cut(job: Job, *, follow: bool, poll_s: float) -> None:
+    """The shard plan: every shard of the synth dataset; with --follow, those final so far (the plan grows, and
+    the shard count, params.num_shards, stays 0 until synth is complete)."""
+    cfg, sds = job.cfg, job.sds
+    if follow:
+        job.follower = Follower(sds, vocab_size=cfg.vocab_size, shard_samples=cfg.shard_samples,
+                                shard_tokens=cfg.shard_tokens, poll_s=poll_s)
+        job.plan = job.follower.new_shards()
+    else:
+        index = index_samples(sds.path / SAMPLES, cfg.vocab_size) if (sds.path / SAMPLES).exists() else []
+        if not index:
+            raise DatasetError(f"{sds.ref} holds no samples ({SAMPLES} is empty or missing): nothing to extract; "
+                               f"remake it with {REMAKE['synth']}")
+        job.plan = plan_shards(index, cfg.shard_samples, cfg.shard_tokens)
+        cfg.num_shards = len(job.plan)
+    job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
+
+
+def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Path | None, *, follow: bool
                 ) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
-    """The input, refused when partial, corrupted, unknown or made for another tokenizer."""
-    sds, smanifest = open_input(synth, "synth", root=data_root)
-    problems = verify(sds)
-    if problems:
-        raise DatasetError(f"{sds.ref} is corrupted: {'; '.join(problems[:3])}. Check it with `eyas-data verify "
-                           f"{sds.ref}`, then remake it with {REMAKE['synth']}")
+    """The input, refused when partial (unless followed), corrupted, unknown or made for another tokenizer."""
+    sds, smanifest = open_input(synth, "synth", root=data_root, allow_partial=follow)
+    if smanifest.get("status") == "complete":  # a partial one lists no files yet: checked once complete
+        _refuse_corrupted(sds)
     fingerprint = target_fingerprint(load_tokenizer(model, trust_remote_code), model)
     check_target(sds, smanifest, fingerprint)
     if shortfall := shortfall_note(smanifest):
         log(f"{sds.ref}: {shortfall}")
     return sds, smanifest, fingerprint
+
+
+def _refuse_corrupted(sds: Dataset) -> None:
+    problems = verify(sds)
+    if problems:
+        raise DatasetError(f"{sds.ref} is corrupted: {'; '.join(problems[:3])}. Check it with `eyas-data verify "
+                           f"{sds.ref}`, then remake it with {REMAKE['synth']}")
 
 
 def _disk_bill(job: Job) -> tuple[int, int, int]:
@@ -308,9 +354,9 @@ def _disk_bill(job: Job) -> tuple[int, int, int]:
     size = sum(shard_layout(cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size for j in job.todo)
     tokens = sum(r.n_tokens for j in job.todo for r in job.plan[j])
     free = _free_bytes(ds.path)
-    log(f"{job.who}: {len(job.mine) - len(job.todo)} of {len(job.mine)} shards already there ({len(job.plan)} in "
-        f"all), {len(job.todo)} to extract from {job.sds.ref}: layers {cfg.layers} of {cfg.num_layers}, "
-        f"H {cfg.hidden_size}, aux {cfg.aux_dtype}, teacher {cfg.teacher}"
+    log(f"{job.who}: {len(job.mine) - len(job.todo)} of {len(job.mine)} shards already there ({len(job.plan)} "
+        f"{'final so far' if job.follower else 'in all'}), {len(job.todo)} to extract from {job.sds.ref}: "
+        f"layers {cfg.layers} of {cfg.num_layers}, H {cfg.hidden_size}, aux {cfg.aux_dtype}, teacher {cfg.teacher}"
         f"{f' K={cfg.topk}' if cfg.teacher == 'topk' else ''}, {cfg.backend} backend on {job.dev}, {cfg.dtype}")
     log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {size / 1e9:.3f} GB with headers; "
         f"{free / 1e9:.2f} GB free on the volume of {ds.path}")
@@ -324,8 +370,9 @@ def _refuse_full_disk(ds: Dataset, size: int, free: int) -> None:
                            f"(--aux-dtype fp8 and --teacher topk store about half as much)")
 
 
-def _work(job: Job, progress: bool, t_start: float) -> dict[str, Any]:
-    """Extract this worker's pending shards and record its run; Ctrl-C / SIGTERM keep the finished shards."""
+def _work(job: Job, manifest: dict[str, Any], progress: bool, t_start: float) -> dict[str, Any]:
+    """Extract this worker's pending shards (with --follow: until synth is complete) and record its run;
+    Ctrl-C / SIGTERM keep the finished shards."""
     if job.ranks.world > 1:
         import datetime
 
@@ -334,11 +381,13 @@ def _work(job: Job, progress: bool, t_start: float) -> dict[str, Any]:
         # gloo, only for the final barrier: ranks may end hours apart, past NCCL's default timeout.
         dist.init_process_group("gloo", timeout=datetime.timedelta(days=7))
     ds, samples_path = job.ds, job.sds.path / SAMPLES
-    tokens = sum(r.n_tokens for j in job.todo for r in job.plan[j])
     try:
         with sigterm_as_interrupt():
-            stats = _extract(job.cfg, job.dev, ds, job.plan, job.todo, samples_path, tokens, progress) \
-                if job.todo else {"tokens": 0}
+            if job.follower is not None:
+                stats = _follow(job, manifest, progress)
+            else:
+                stats = _extract(job.cfg, job.dev, ds, job.plan, job.todo, samples_path, progress) \
+                    if job.todo else {"tokens": 0}
     except KeyboardInterrupt:
         kept = sum((ds.path / shard_name(j)).exists() for j in job.mine)
         log(f"interrupted: {kept} of {len(job.mine)} shards of this worker are saved in {ds.path}; "
@@ -354,56 +403,122 @@ def _work(job: Job, progress: bool, t_start: float) -> dict[str, Any]:
     return stats
 
 
+def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any]:
+    """--follow: extract the shards final now, then each one as synth makes it final, listing each in the
+    manifest once committed; when synth is complete, record the shard count and the input as they end."""
+    ds, follower = job.ds, job.follower
+    assert follower is not None
+
+    def listed(j: int) -> None:
+        list_shards(ds, manifest, job.plan, [j])
+
+    with Extraction(job.cfg, job.dev, ds, job.sds.path / SAMPLES, max_len=_follow_max_len(job.smanifest),
+                    progress=progress) as ex:
+        def extract(todo: list[int]) -> None:
+            job.todo += todo
+            ex.shards(job.plan, todo, then=listed)
+
+        ex.shards(job.plan, job.todo, then=listed)
+        follower.run(job.plan, extract, ds=ds, say=log)
+        stats = ex.finish()
+    _refuse_corrupted(job.sds)  # complete now: its files must be what its manifest says, as for any run
+    job.cfg.num_shards = manifest["params"]["num_shards"] = len(job.plan)
+    manifest["inputs"] = [input_ref(job.sds)]
+    ds.write_manifest(manifest)
+    return stats
+
+
+def _follow_max_len(smanifest: dict[str, Any]) -> int:
+    """The longest sample a --follow run may meet (the vllm backend sizes its engine by it): the synth server's
+    context, as synth recorded it; 0 when unknown (only the hf backend can follow then)."""
+    return int((smanifest.get("params") or {}).get("max_model_len") or 0)
+
+
 def _extract(cfg: ExtractConfig, dev: torch.device, ds: Dataset, plan: list, todo: list[int], samples_path: Path,
-             tokens: int, progress: bool) -> dict[str, Any]:
+             progress: bool) -> dict[str, Any]:
     """Run the backend over this worker's pending shards; returns tokens, seconds and padding."""
-    if cfg.backend == "vllm":
-        from eyas_extract.vllm_backend import VLLMBackend
+    longest = max(r.n_tokens for j in todo for r in plan[j])
+    with Extraction(cfg, dev, ds, samples_path, max_len=longest, progress=progress) as ex:
+        ex.shards(plan, todo)
+        return ex.finish()
 
-        backend: Any = VLLMBackend(cfg, max(r.n_tokens for j in todo for r in plan[j]))
-    else:
-        from eyas_extract.hf_backend import HFBackend
 
-        backend = HFBackend(cfg, dev)
-    bar = tqdm(total=tokens, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
-               desc=f"extract {ds.name}", smoothing=0.1)
-    writer = Writer()
-    shards: list[ShardWriter] = []
-    done = padded = 0
-    t0 = time.monotonic()
-    try:
+class Extraction:
+    """One backend and one writer thread over shards given at once, or as they become final (--follow).
+
+    Used with `with`: on an error or an interrupt the shards already queued are still committed, the
+    others' temp files are removed, and the backend is closed.
+    """
+
+    def __init__(self, cfg: ExtractConfig, dev: torch.device, ds: Dataset, samples_path: Path, *, max_len: int,
+                 progress: bool):
+        self.cfg, self.ds, self.samples_path = cfg, ds, samples_path
+        if cfg.backend == "vllm":
+            from eyas_extract.vllm_backend import VLLMBackend
+
+            self.backend: Any = VLLMBackend(cfg, max_len)
+        else:
+            from eyas_extract.hf_backend import HFBackend
+
+            self.backend = HFBackend(cfg, dev)
+        self.bar = tqdm(total=0, unit="tok", unit_scale=True, disable=not progress, dynamic_ncols=True,
+                        desc=f"extract {ds.name}", smoothing=0.1)
+        self.writer = Writer()
+        self.started: list[ShardWriter] = []
+        self.done = self.padded = 0
+        self.busy_s = 0.0  # time spent extracting, not waiting for synth
+
+    def shards(self, plan: list, todo: list[int], *, then: Callable[[int], None] | None = None) -> None:
+        """Extract shards `todo` of `plan`; `then(j)` runs on the writer thread once shard j is committed."""
+        t0 = time.monotonic()
+        cfg = self.cfg
+        self.bar.total += sum(r.n_tokens for j in todo for r in plan[j])
+        self.bar.refresh()
         for j in todo:
             refs = plan[j]
-            seqs = read_tokens(samples_path, refs)
+            seqs = read_tokens(self.samples_path, refs)
             ids = [s for s, _ in seqs]
-            sw = ShardWriter(ds.path / shard_name(j), cfg, [r.id for r in refs], [len(s) for s in ids])
-            shards.append(sw)
+            sw = ShardWriter(self.ds.path / shard_name(j), cfg, [r.id for r in refs], [len(s) for s in ids])
+            self.started.append(sw)
             sw.put("input_ids", 0, torch.tensor([t for s in ids for t in s], dtype=torch.int32))
             sw.put("loss_mask", 0, torch.tensor([m for _, mask in seqs for m in mask], dtype=torch.uint8))
             batches = make_batches([len(s) for s in ids], cfg.batch_tokens)
-            padded += sum(len(b) * len(ids[b[0]]) for b in batches)  # vllm pads nothing: it packs
-            for samples, rows in backend.extract(ids, batches):
-                writer.submit(sw, samples, rows)
+            self.padded += sum(len(b) * len(ids[b[0]]) for b in batches)  # vllm pads nothing: it packs
+            for samples, rows in self.backend.extract(ids, batches):
+                self.writer.submit(sw, samples, rows)
                 n = sum(len(ids[k]) for k in samples)
-                done += n
-                bar.update(n)
-            writer.put(sw.commit)
-        writer.close()
-        compute = time.monotonic() - t0  # not counting the backend's shutdown below
-    except BaseException:
-        bar.close()
+                self.done += n
+                self.bar.update(n)
+            self.writer.put(sw.commit)
+            if then is not None:
+                self.writer.put(functools.partial(then, j))
+        self.busy_s += time.monotonic() - t0
+
+    def finish(self) -> dict[str, Any]:
+        """Wait for every queued write; tokens, seconds and padding of the shards extracted."""
+        t0 = time.monotonic()
+        self.writer.close()
+        compute = self.busy_s + time.monotonic() - t0  # not counting the backend's shutdown
+        done, padded = self.done, self.padded
+        return {"tokens": done, "compute_s": round(compute, 3),
+                "tokens_per_s": round(done / compute, 1) if compute else 0.0,
+                "pad_fraction": round(1 - done / padded, 4) if padded and self.cfg.backend == "hf" else 0.0}
+
+    def __enter__(self) -> "Extraction":
+        return self
+
+    def __exit__(self, error: type[BaseException] | None, *rest: Any) -> None:
+        self.bar.close()
         try:
-            writer.close()  # shards whose last batch is queued are still committed
-        except BaseException:  # noqa: BLE001 - the first error is the one to report
-            pass
-        for sw in shards:
-            sw.abort()  # a no-op for committed shards: their temp file is gone
-        raise
-    finally:
-        bar.close()
-        backend.close()
-    return {"tokens": done, "compute_s": round(compute, 3), "tokens_per_s": round(done / compute, 1),
-            "pad_fraction": round(1 - done / padded, 4) if padded and cfg.backend == "hf" else 0.0}
+            if error is not None:
+                try:
+                    self.writer.close()  # shards whose last batch is queued are still committed
+                except BaseException:  # noqa: BLE001 - the first error is the one to report
+                    pass
+                for sw in self.started:
+                    sw.abort()  # a no-op for committed shards: their temp file is gone
+        finally:
+            self.backend.close()
 
 
 def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, Any]:

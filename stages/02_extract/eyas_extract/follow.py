@@ -1,0 +1,152 @@
+"""`eyas-extract run --follow`: extract a synth dataset while eyas-synth is still writing it.
+
+Shards are cut as an offline run cuts them (batching.plan_shards: samples sorted by id, cut greedily),
+and a greedy cut is prefix-stable: a shard's content depends only on the samples up to its end and on
+the one after it. So a shard is final, and extracted, once every id up to the first sample past it is
+decided (samples.SynthTail: kept, set aside or rejected), or once it is full, or once synth is complete.
+The shards are then, byte for byte, those an offline extraction of the finished dataset writes.
+
+While it runs the hidden manifest stays partial and lists in `files` each shard once it is final
+(name, bytes, sha256, records, first_id, last_id), so a reader can follow it in turn. One process writes
+that list, so --follow runs as one worker. It ends when synth is complete and every shard is extracted
+(the run then finalizes as any run does), or, when synth stopped partial (no process holds its writer
+lock), once what is decided is extracted, with one line saying what to run.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
+from eyas_common.hidden import open_shard, shard_name
+from eyas_common.samples import SampleLine, SynthTail
+
+from eyas_extract.batching import plan_shards
+
+WAIT_LOG_S = 30.0  # a changed "waiting for" line is printed at most this often
+SHARD_GLOB = "shard-*.safetensors"
+
+
+class ShardCutter:
+    """Cuts samples, handed over in id order, into the shards an offline run cuts, each once it is final."""
+
+    def __init__(self, *, shard_samples: int, shard_tokens: int):
+        self.shard_samples, self.shard_tokens = shard_samples, shard_tokens
+        self.pending: list[SampleLine] = []  # samples after the last final shard
+
+    def cut(self, ready: list[SampleLine], *, complete: bool) -> list[list[SampleLine]]:
+        """The shards made final by `ready` (the next samples in id order); `complete`: no sample follows."""
+        self.pending += ready
+        shards = plan_shards(self.pending, self.shard_samples, self.shard_tokens)
+        # Every shard but the last was cut by a sample already here. The last one is final only when full:
+        # otherwise a sample yet to come may join it.
+        if shards and not complete and len(shards[-1]) < self.shard_samples:
+            shards.pop()
+        self.pending = self.pending[sum(map(len, shards)):]
+        return shards
+
+
+class Follower:
+    """A synth dataset being written, cut into final shards as it grows."""
+
+    def __init__(self, sds: Dataset, *, vocab_size: int, shard_samples: int, shard_tokens: int, poll_s: float):
+        self.tail = SynthTail(sds, vocab_size)
+        self.cutter = ShardCutter(shard_samples=shard_samples, shard_tokens=shard_tokens)
+        self.poll_s = poll_s
+        self.tail.poll()
+
+    def new_shards(self) -> list[list[SampleLine]]:
+        return self.cutter.cut(self.tail.take_ready(), complete=self.tail.complete)
+
+    def run(self, plan: list[list[SampleLine]], extract: Callable[[list[int]], None], *, ds: Dataset,
+            say: Callable[[str], None]) -> None:
+        """Extract shards as they become final, appending them to `plan`, until synth is complete and every
+        shard is extracted; raise once what is decided is extracted when synth stopped partial."""
+        last, said_at = "", -WAIT_LOG_S
+        while True:
+            if new := self.new_shards():
+                plan += new
+                extract(list(range(len(plan) - len(new), len(plan))))
+            if self.tail.complete:
+                return
+            if self.tail.writer is None:
+                raise DatasetError(self.stopped_line(ds, len(plan)))
+            line = self.waiting_line(len(plan))
+            if line != last and time.monotonic() - said_at >= WAIT_LOG_S:
+                say(line)
+                last, said_at = line, time.monotonic()
+            time.sleep(self.poll_s)
+            self.tail.poll()
+
+    def waiting_line(self, extracted: int) -> str:
+        tail = self.tail
+        asked = (tail.manifest.get("params") or {}).get("n", "?")
+        return (f"waiting for {tail.ds.ref}: {tail.n_decided} of {asked} ids decided ({len(tail.seen)} samples), "
+                f"{extracted} shards extracted; the next shard waits for id {tail.prefix}")
+
+    def stopped_line(self, ds: Dataset, extracted: int) -> str:
+        sref = self.tail.ds.ref
+        return (f"{sref} stopped partial (no eyas-synth run is writing it): ids below {self.tail.prefix} are "
+                f"decided and their {extracted} shards are in {ds.ref}; resume it with the same eyas-synth command "
+                f"(or accept its shortfall with --allow-missing), then rerun this one")
+
+
+def follow_started(manifest: dict[str, Any]) -> bool:
+    """A partial hidden dataset begun by --follow: its shard count is unknown (0) until synth is complete."""
+    return manifest.get("status") != "complete" and (manifest.get("params") or {}).get("num_shards") == 0
+
+
+def resume_terms(ds: Dataset, sds: Dataset, *, follow: bool, num_shards: int
+                 ) -> tuple[list[dict[str, str]], dict[str, Any] | None]:
+    """The inputs and the params (open_output's `inputs`, `made_with`) to resume `ds` against.
+
+    The synth manifest changes while synth runs, so a dataset begun by --follow, or resumed by it, is checked
+    against its recorded input by name only (its shards are checked against the plan instead: check_shards),
+    and the shard count, known only at the end, is not compared. Otherwise: the strict terms of every stage.
+    """
+    current = [input_ref(sds)]
+    stored = ds.read_manifest() if ds.exists() else {}
+    if not stored or not (follow or follow_started(stored)):
+        return current, None
+    inputs = stored.get("inputs") or []
+    same_input = [i.get("ref") for i in inputs] == [sds.ref]
+    partial = stored.get("status") != "complete"
+    return (inputs if same_input and partial else current), {**(stored.get("params") or {}), "num_shards": num_shards}
+
+
+def check_shards(ds: Dataset, sref: str, plan: list[list[SampleLine]]) -> list[int]:
+    """The shards already in `ds` (a resumed run's), each checked to hold the samples the plan puts there; a
+    shard the plan does not hold (its synth dataset was remade under the same name) is refused."""
+    fix = f"delete it (`eyas-data rm {ds.ref}`) or pick another --name"
+    there = [j for j in range(len(plan)) if (ds.path / shard_name(j)).exists()]
+    extra = sorted({p.name for p in ds.path.glob(SHARD_GLOB)} - {shard_name(j) for j in there})
+    if extra:
+        raise DatasetError(f"{ds.ref}: {extra[0]} is there but {sref} now makes {len(plan)} final shards (it was "
+                           f"remade since); {fix}")
+    for j in there:
+        ids = open_shard(ds, ds.path / shard_name(j)).get_tensor("sample_ids").tolist()
+        if ids != [r.id for r in plan[j]]:
+            raise DatasetError(f"{ds.ref}: {shard_name(j)} holds samples {ids[:3]}... but {sref} now puts "
+                               f"{[r.id for r in plan[j]][:3]}... there (it was remade since); {fix}")
+    return there
+
+
+def shard_entry(path: Path, shard: list[SampleLine]) -> dict[str, Any]:
+    """A final shard as the manifest lists it while partial: what a follower needs to take it."""
+    return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "records": len(shard),
+            "first_id": shard[0].id, "last_id": shard[-1].id}
+
+
+def list_shards(ds: Dataset, manifest: dict[str, Any], plan: list[list[SampleLine]], shards: list[int]) -> None:
+    """Add final shards to the manifest's `files` (in shard order; an entry whose file matches is kept, not
+    hashed again) and write it: shards made by a killed run, between rename and listing, are listed here."""
+    listed = {e["name"]: e for e in manifest.get("files") or []}
+    for j in shards:
+        path = ds.path / shard_name(j)
+        old = listed.get(path.name)
+        listed[path.name] = old if old and old.get("bytes") == path.stat().st_size else shard_entry(path, plan[j])
+    manifest["files"] = [listed[name] for name in sorted(listed) if (ds.path / name).exists()]
+    ds.write_manifest(manifest)
