@@ -202,13 +202,16 @@ def test_extract_and_train_run_from_their_images(repo, engines, state, data, mod
 
 def test_training_on_two_hosts_equals_one_process(repo, engines, data, model):
     """make train HOSTS="a b" NPROC=1: one torchrun node per ssh host (127.0.0.1 and 127.0.0.2), joined by the
-    c10d rendezvous on the first, gloo between them; the same global batch as d1's one process."""
-    r = make(repo, engines, "train", HOSTS=" ".join(engines.ssh_hosts), NPROC="1", DATA=str(data),
-             HIDDEN="hidden/h1", MODEL=str(model), NAME="d2", RDZV_PORT=str(free_port()),
-             TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --log-every 1")
-    one, two = manifest(data, "drafts/d1"), manifest(data, "drafts/d2")
+    c10d rendezvous on the first, gloo between them, gives the draft one process gives with the same global
+    batch. (Validation is set to 2 samples: its default count is rounded to the number of processes.)"""
+    args = "--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --val-samples 2 --log-every 1"
+    common = dict(DATA=str(data), HIDDEN="hidden/h1", MODEL=str(model), TRAIN_ARGS=args)
+    make(repo, engines, "train", HOST=engines.ssh_hosts[1], NAME="one", **common)
+    r = make(repo, engines, "train", HOSTS=" ".join(engines.ssh_hosts), NPROC="1", NAME="two",
+             RDZV_PORT=str(free_port()), **common)
+    one, two = manifest(data, "drafts/one"), manifest(data, "drafts/two")
     assert two["status"] == "complete" and two["params"]["world"] == 2 and one["params"]["world"] == 1, r.stdout
-    a, b = (load_file(data / f"drafts/{d}/model.safetensors") for d in ("d1", "d2"))
+    a, b = (load_file(data / f"drafts/{d}/model.safetensors") for d in ("one", "two"))
     assert a.keys() == b.keys()
     for name in a:  # equal up to the order of float sums
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-5, rtol=1e-4, msg=name)
