@@ -10,14 +10,15 @@
 #   4. gpu-tests     tests/test_gpu.py -m gpu: extraction on the GPU (bf16) against the CPU (fp32), training too
 #   5. real target   tests/test_smollm2.py with vLLM on the GPU: SmolLM2 from its wheel, synth, extract, a short
 #                    training, the draft served by vLLM (acceptance length from vLLM's counters)
-#   6. quality       bench/quality.py --targets smollm2 --sizes 500 --recipes defaults: acceptance in vLLM
+#   6. quality       bench/quality.py --targets smollm2 --sizes 500 --recipes defaults: acceptance in vLLM;
+#                    quality-dflash: the same answers, a DFlash draft (--method dflash, its own extraction)
 #
 #   bash bench/gpu.sh               # everything; GPU_STEPS="train real" runs only those steps
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-$PWD/gpu-out}
 VENV=${GPU_VENV:-/tmp/eyas-gpu-venv}
-STEPS=${GPU_STEPS:-install extract train gpu-tests real quality}
+STEPS=${GPU_STEPS:-install extract train gpu-tests real quality quality-dflash}
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 EYAS_CACHE="$PWD/.cache" EYAS_DATA="$OUT/data"
 export PYTHONPATH="$PWD/testing:$PWD/common:$PWD/stages/01_synth:$PWD/stages/02_extract:$PWD/stages/03_train:$PWD/stages/04_serve"
@@ -55,4 +56,5 @@ step train 120 python bench/train.py --shapes smollm2-32k,smollm2-8k,llama8b --b
 step gpu-tests 150 python -m pytest tests/test_gpu.py -q -m gpu -p no:cacheprovider
 step real 180 python -m pytest tests/test_smollm2.py -q -x -p no:cacheprovider
 step quality 240 python bench/quality.py --targets smollm2 --sizes 500 --recipes defaults
+step quality-dflash 240 python bench/quality.py --targets smollm2 --sizes 500 --recipes defaults --method dflash
 echo "=== summary"; cat "$OUT/summary.txt"

@@ -11,12 +11,16 @@ Targets: `llama` (fixture.py: Kimi-style template that opens `<think>` in the pr
 `qwen3` (fixture_qwen3.py: Qwen3 architecture that emits `<think>` itself, 10 layers, vocab 4000), and the
 real `smollm2` (SmolLM2-135M-Instruct from its PyPI wheel: 30 layers, vocab 49,152, no thinking), which
 answers real questions (realprompts.py: TruthfulQA, MMLU, HumanEval; held-out ones for the measurement).
-It prints one row per target x size: acceptance with the defaults and with the hand recipe, their ratio,
-the acceptance `eyas-train run` predicted from its validation slice against vLLM's, and training times.
+It prints one row per target x size x method: acceptance with the defaults and with the hand recipe, their
+ratio, the acceptance `eyas-train run` predicted from its validation slice against vLLM's, and training times.
+`--method eagle3,dflash` trains both draft methods on the same synth answers (each from its own extraction:
+DFlash reads five layers) and measures EAGLE-3 at 3 speculative tokens, DFlash at its block size - 1 (the K
+its blocks were trained for; vLLM runs K + 1 queries, so another K would show it blocks it never saw).
 
     .venv/bin/python bench/quality.py --quick                   # llama, 250 samples (fits CI)
     .venv/bin/python bench/quality.py                           # llama + qwen3 x 250 / 1000 / 4000
     .venv/bin/python bench/quality.py --targets qwen3 --sizes 250,1000
+    .venv/bin/python bench/quality.py --quick --method eagle3,dflash   # the two methods side by side
 
 Datasets and results go under $EYAS_DATA (default ./data/bench-quality); a rerun reuses every finished
 dataset, draft and measurement, so an interrupted run continues where it stopped.
@@ -33,6 +37,8 @@ from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
+from eyas_common.drafts import read_config
+from eyas_common.methods import METHODS
 from eyas_testing.fixture import build_fixture, write_prompts_jsonl
 from eyas_testing.fixture_qwen3 import build_qwen3_fixture
 from eyas_testing.fixture_smollm2 import build_smollm2_fixture
@@ -50,6 +56,8 @@ TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixt
 # The best hand recipe found on the Llama fixture (stages/03_train/README.md): all samples, no validation.
 HAND = dict(epochs=20, batch_size=4, lr=3e-3, draft_vocab=1024, val_samples=0)
 RECIPES: dict[str, dict[str, Any]] = {"defaults": {}, "hand": HAND}
+# What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
+NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
 QUIET = dict(log_every=100, ckpt_every=1000)
 
 
@@ -87,59 +95,81 @@ def _complete(root: Path, name: str, kind: str) -> bool:
     return ds.exists() and ds.read_manifest().get("status") == "complete"
 
 
-def draft_name(target: str, n: int, recipe: str, seed: int) -> str:
-    """`T_N_RECIPE`, and `-seedS` after it for seeds other than 0 (so seed 0 keeps its cached results)."""
-    return f"{target}_{n}_{recipe}" + (f"-seed{seed}" if seed else "")
+def draft_name(target: str, n: int, recipe: str, seed: int, method: str = "eagle3") -> str:
+    """`T_N_RECIPE`, `_dflash` after it for a DFlash draft, and `-seedS` for seeds other than 0 (so EAGLE-3's
+    seed 0 keeps its cached results)."""
+    return f"{target}_{n}_{recipe}" + ("" if method == "eagle3" else f"_{method}") + (f"-seed{seed}" if seed else "")
 
 
-def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0) -> Path:
+def hidden_name(target: str, n: int, method: str) -> str:
+    """The hidden dataset a method trains on: `T_N` (EAGLE-3's three layers), `T_N_dflash` (DFlash's five)."""
+    return f"{target}_{n}" + ("" if method == "eagle3" else f"_{method}")
+
+
+def recipe_options(recipe: str, method: str) -> dict[str, Any]:
+    """`eyas-train run` options of a recipe for a method (the method itself among them)."""
+    return {k: v for k, v in RECIPES[recipe].items() if k not in NOT_FOR[method]} | {"method": method}
+
+
+def spec_tokens(method: str, draft: Path) -> int:
+    """The K a draft is measured at: EAGLE-3 SPEC_TOKENS, DFlash its block size - 1."""
+    return SPEC_TOKENS if method == "eagle3" else int(read_config(draft)["block_size"]) - 1
+
+
+def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0,
+              method: str = "eagle3") -> Path:
     from eyas_extract.run import run as extract
     from eyas_train.train import run as train
 
-    name = f"{target}_{n}"
+    name = hidden_name(target, n, method)
     if not _complete(root, name, "hidden"):
-        say(f"{name}: extract")
-        extract(synth=f"synth/{name}", model=model, name=name, data_root=root, progress=False)
-    draft = draft_name(target, n, recipe, seed)
+        say(f"{name}: extract ({method} layers)")
+        extract(synth=f"synth/{target}_{n}", model=model, name=name, method=method, data_root=root, progress=False)
+    draft = draft_name(target, n, recipe, seed, method)
     if not _complete(root, draft, "drafts"):
         say(f"{draft}: train")
-        train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, seed=seed, **RECIPES[recipe],
-              **QUIET)
+        train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, seed=seed,
+              **recipe_options(recipe, method), **QUIET)
     return Dataset.parse(draft, "drafts", root).path
 
 
-def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, seed: int = 0
-            ) -> dict[str, Any]:
-    """One cell's result for one recipe and seed (cached in results/T_N_RECIPE[-seedS].json)."""
-    label = draft_name(target, n, recipe, seed)
+def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, seed: int = 0,
+            method: str = "eagle3") -> dict[str, Any]:
+    """One cell's result for one recipe, seed and method (cached in results/<draft_name>.json)."""
+    label = draft_name(target, n, recipe, seed, method)
     out = root / "results" / f"{label}.json"
     if out.exists():
         return json.loads(out.read_text())
-    draft = train_one(root, target, model, n, recipe, seed)
-    say(f"{label}: vLLM acceptance on {HELDOUT} held-out prompts")
-    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{label}.log", spec_tokens=SPEC_TOKENS,
+    draft = train_one(root, target, model, n, recipe, seed, method)
+    k = spec_tokens(method, draft)
+    say(f"{label}: vLLM acceptance on {HELDOUT} held-out prompts at {k} speculative tokens")
+    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{label}.log", spec_tokens=k,
                           extra_args=TARGETS[target][2])
     m = json.loads((draft / MANIFEST).read_text())
     val = m["stats"].get("val") or {}
-    predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(SPEC_TOKENS))
-    chain = (val.get("val_chain_product") or [None] * SPEC_TOKENS)[SPEC_TOKENS - 1]
-    result = {"target": target, "samples": n, "recipe": recipe, "vllm": acc, "predicted": predicted, "chain": chain,
-              "train_s": m["stats"]["train_s"], "steps": m["stats"]["steps"], "resolved": m["params"]["recipe"]}
+    predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(k))
+    chain = (val.get("val_chain_product") or [None] * k)[k - 1]
+    result = {"target": target, "samples": n, "recipe": recipe, "method": method, "spec_tokens": k, "vllm": acc,
+              "predicted": predicted, "chain": chain, "train_s": m["stats"]["train_s"], "steps": m["stats"]["steps"],
+              "resolved": m["params"]["recipe"]}
     write_json_atomic(out, result)
     return result
 
 
 def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
-    """One line per target x size; with several seeds a value is their mean, the range beside it."""
-    head = ("| target | samples | defaults | best hand | ratio | predicted (chain product) vs vLLM, defaults "
-            "| train s defaults / hand | defaults resolved to (seed 0) |\n|---|---|---|---|---|---|---|---|")
+    """One line per target x size x method; with several seeds a value is their mean, the range beside it."""
+    head = ("| target | samples | method (K) | defaults | best hand | ratio "
+            "| predicted (chain product) vs vLLM, defaults | train s defaults / hand "
+            "| defaults resolved to (seed 0) |"
+            "\n|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         d, h = r.get("defaults") or [], r.get("hand") or []
         ad, ah = _mean(x["vllm"]["acceptance_length"] for x in d), _mean(x["vllm"]["acceptance_length"] for x in h)
         cell, res = (d or h)[0], d and d[0]["resolved"]
         lines.append(
-            f"| {cell['target']} | {cell['samples']} | {_spread(d)} | {_spread(h)} "
+            f"| {cell['target']} | {cell['samples']} | {cell.get('method', 'eagle3')} "
+            f"({cell.get('spec_tokens', SPEC_TOKENS)}) | {_spread(d)} | {_spread(h)} "
             f"| {_f(ad / ah if ad and ah else None, 3)} "
             f"| {_f(_mean(x['predicted'] for x in d))} ({_f(_mean(x.get('chain') for x in d))}) vs {_f(ad)} "
             f"| {_f(_mean(x['train_s'] for x in d), 0)} / {_f(_mean(x['train_s'] for x in h), 0)} "
@@ -170,15 +200,19 @@ def main() -> None:
     p.add_argument("--targets", default="llama,qwen3", help=f"comma-separated: {', '.join(TARGETS)}")
     p.add_argument("--sizes", default="250,1000,4000", help="comma-separated sample counts")
     p.add_argument("--recipes", default="defaults,hand", help="comma-separated: defaults, hand")
+    p.add_argument("--method", default="eagle3",
+                   help=f"comma-separated draft methods, one row each: {', '.join(METHODS)} (default eagle3)")
     p.add_argument("--seeds", type=int, default=1,
                    help="seeds 0..S-1 per recipe and cell; the table shows their mean and range (default 1)")
     a = p.parse_args()
     targets = ["llama"] if a.quick else a.targets.split(",")
     sizes = [250] if a.quick else [int(x) for x in a.sizes.split(",")]
-    recipes = a.recipes.split(",")
-    bad = [t for t in targets if t not in TARGETS] + [r for r in recipes if r not in RECIPES]
+    recipes, methods = a.recipes.split(","), a.method.split(",")
+    bad = ([t for t in targets if t not in TARGETS] + [r for r in recipes if r not in RECIPES]
+           + [m for m in methods if m not in METHODS])
     if bad:
-        p.error(f"unknown target or recipe {bad}: targets are {list(TARGETS)}, recipes {list(RECIPES)}")
+        p.error(f"unknown target, recipe or method {bad}: targets are {list(TARGETS)}, recipes {list(RECIPES)}, "
+                f"methods {list(METHODS)}")
     if any(n < 20 for n in sizes):
         p.error(f"--sizes {a.sizes}: every size must be at least 20 samples")
     if a.seeds < 1:
@@ -191,10 +225,12 @@ def main() -> None:
         heldout = write_prompts(root / "prompts" / f"{target}_heldout.jsonl", target, HELDOUT, 11, "heldout")
         synth_all(root, target, model, sizes)
         for n in sorted(sizes):
-            rows.append({r: [measure(root, target, model, n, r, heldout, seed) for seed in range(a.seeds)]
-                         for r in recipes})
-            print(table(rows), flush=True)
-    print(f"\nvLLM {SPEC_TOKENS} speculative tokens, {HELDOUT} held-out prompts, greedy; hand recipe: {HAND}; "
+            for method in methods:
+                rows.append({r: [measure(root, target, model, n, r, heldout, seed, method) for seed in range(a.seeds)]
+                             for r in recipes})
+                print(table(rows), flush=True)
+    print(f"\nvLLM at K speculative tokens (EAGLE-3 {SPEC_TOKENS}, DFlash block size - 1), {HELDOUT} held-out "
+          f"prompts, greedy; hand recipe: {HAND}; "
           f"{time.monotonic() - t0:.0f} s; data under {root}")
 
 

@@ -122,7 +122,9 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Target folder (HF).")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Held-out prompts: JSONL of {\"messages\": [...]} or plain text lines.")
-@click.option("--spec-tokens", type=click.IntRange(min=1), default=3, help="Draft tokens proposed per verification.")
+@click.option("--spec-tokens", type=click.IntRange(min=1), default=3,
+              help="Draft tokens proposed per verification (vLLM's num_speculative_tokens; a DFlash draft was "
+                   "trained for its block size - 1).")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Max generated tokens per prompt.")
 @click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts.")
 @click.option("--thinking/--no-thinking", default=None,
@@ -134,7 +136,8 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--trust-remote-code", is_flag=True, help="Run the model/tokenizer code shipped with the target (explicit opt-in).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here.")
 def eval_cmd(**kw) -> None:
-    """Chain speculative decoding (greedy verification): acceptance length and per-position acceptance."""
+    """Speculative decoding with greedy verification, chains (EAGLE-3) or blocks (DFlash) as vLLM drafts them:
+    acceptance length and per-position acceptance."""
     from eyas_train.eval import evaluate
 
     click.echo(json.dumps(evaluate(**kw), indent=2))

@@ -4,7 +4,8 @@ shape and set-up, a step's forward (anchors drawn per sample, BlockLoss), the va
 and the replayed acceptance length) and the export.
 
 The knobs default from the target (dflash.py: block size, draft layers, gamma) and from the data (the mask
-token: one the completions never use); the resolved values are in the manifest's params.draft.
+token: one the completions never use, whose embedding row is a real one); the resolved values are in the
+manifest's params.draft.
 """
 
 from __future__ import annotations
@@ -30,24 +31,50 @@ from eyas_train.target import load_embedding, load_lm_head, load_weight
 from eyas_train.vocab import VocabMap
 
 MASK_NAMES = ("<|MASK|>", "<mask>", "[MASK]", "<|mask|>")
+# A mask row whose RMS is under this fraction of a typical used token's is degenerate (see usable_mask_rows).
+MIN_MASK_RMS_FRACTION = 0.25
 
 
-def pick_mask_token(tokenizer: Any, counts: torch.Tensor, requested: int | None) -> tuple[int, str | None]:
+def usable_mask_rows(embedding: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    """Which target embedding rows may embed the masked slots, [V] bool.
+
+    The masked slots' only input is W_e[M]: the first layer sees a = input_layernorm(W_e[M]) and
+    q = rope(q_norm(Wq a)). A zero row (a padding token's, as [PAD]'s usually is) gives a = 0, q = 0, a
+    uniform softmax over every visible key, and the same output at every masked slot, whatever its
+    position: all slots then propose one token (measured: slot accuracies all ~0.25, vLLM per position
+    0.30, 0.02, 0.02 ...). A row far below the others is nearly as bad, because RMSNorm's eps then
+    dominates mean(a^2). So a usable row has RMS >= MIN_MASK_RMS_FRACTION x the median RMS of the rows of
+    the tokens the data uses."""
+    rms = embedding.float().pow(2).mean(-1).sqrt()
+    used = rms[: counts.numel()][counts > 0]
+    typical = used.median() if used.numel() else rms.median()
+    return rms >= MIN_MASK_RMS_FRACTION * typical
+
+
+def pick_mask_token(tokenizer: Any, counts: torch.Tensor, requested: int | None,
+                    embedding: torch.Tensor) -> tuple[int, str | None]:
     """The mask token: `requested`; else the tokenizer's mask token or a token named like one; else the first
     special token, then the last id, that no completion of the data uses (a block's anchor is always a
-    completion token, so the mask must never look like one). Returns (id, its text)."""
+    completion token, so the mask must never look like one). Every candidate needs a usable embedding row
+    (usable_mask_rows: [PAD] has none). Returns (id, its text)."""
+    usable = usable_mask_rows(embedding, counts)
     if requested is not None:
         if not 0 <= requested < counts.numel():
             raise ValueError(f"--mask-token-id {requested} is outside the target vocabulary of {counts.numel()}")
+        if not usable[requested]:
+            raise ValueError(f"--mask-token-id {requested}: its embedding row is (nearly) zero, so every masked "
+                             f"slot would propose the same token; pick a token with a trained embedding")
         return requested, tokenizer.convert_ids_to_tokens(requested)
     vocab = tokenizer.get_vocab()
     named = [getattr(tokenizer, "mask_token_id", None)] + [vocab.get(n) for n in MASK_NAMES]
-    unused = [i for i in sorted(set(getattr(tokenizer, "all_special_ids", []))) if i < counts.numel() and not counts[i]]
+    special = sorted(set(getattr(tokenizer, "all_special_ids", [])))
+    unused = [i for i in special if i < counts.numel() and not counts[i]]
     for i in [n for n in named if n is not None] + unused:
-        return i, tokenizer.convert_ids_to_tokens(i)
-    free = (counts == 0).nonzero()
+        if usable[i]:
+            return i, tokenizer.convert_ids_to_tokens(i)
+    free = ((counts == 0) & usable[: counts.numel()]).nonzero()
     if not free.numel():
-        raise ValueError("every token id occurs in the completions: pass --mask-token-id")
+        raise ValueError("every token id with a usable embedding occurs in the completions: pass --mask-token-id")
     i = int(free[-1])
     return i, tokenizer.convert_ids_to_tokens(i)
 
@@ -102,7 +129,8 @@ def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[
     except ValueError as e:
         raise DatasetError(f"{hidden_ds.ref}: {e}") from None
     counts = token_counts(shards, target["vocab_size"])
-    mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts, cfg.mask_token_id)
+    mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts, cfg.mask_token_id,
+                                         load_embedding(cfg.model))
     dcfg = dflash_config(target, hidden_size, len(aux_layers), cfg, mask_id)
     gamma = cfg.gamma or default_gamma(dcfg.block_size)
     module = parallel.wrap(BlockLoss(new_dflash_draft(dcfg, cfg.model, cfg.seed), gamma).to(d.device), d, cfg.parallel)

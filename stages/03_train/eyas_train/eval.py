@@ -9,6 +9,9 @@ vLLM reports for the same draft, target and prompts (up to float rounding):
   3. verify: the target reads the last token and the k proposals; the longest prefix where proposal i
      equals the target's greedy token is accepted, and the target's next greedy token is appended;
   4. repeat until the end-of-turn token or max_tokens.
+A DFlash draft (docs/interop.md, "DFlash drafts") replaces step 2 with vLLM's DFlash proposer: one pass over
+the block [x_p, mask x k] at positions p..p+k (x_p the last token, the target's states of the rows before p
+as context); slot j proposes x_{p+j}. Verification and counting are the same.
 Counted as vLLM counts them (v1/core/sched/scheduler.py): every verification is one draft of k tokens,
 accepted = tokens of that draft accepted, acceptance length = 1 + accepted / drafts.
 The target is rerun over the whole sequence at each verification (no KV cache): simple and exact,
@@ -29,6 +32,9 @@ from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, resolve_
 from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import DatasetError, check_target, open_input, write_json_atomic
 from eyas_common.prompts import load_prompts
+from eyas_common.drafts import draft_method
+from eyas_train.dflash import DFlashDraft
+from eyas_train.dflash_export import load_dflash_draft
 from eyas_train.export import load_draft
 from eyas_train.model import Eagle3Draft
 from eyas_train.ttt import ChainAttention
@@ -51,6 +57,25 @@ def propose(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, k: int) ->
 
 
 @torch.no_grad()
+def propose_block(draft: DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
+    """k proposals from one DFlash pass, as vLLM's DFlash proposer makes them: x_p = ids[-1] (p = n - 1, the
+    target's bonus token) and k mask tokens at positions p .. p + k, seeing the context rows t < p (aux
+    [n-1, n H]) and each other; slot j proposes x_{p+j} (its own position)."""
+    p = ids.numel() - 1
+    context = torch.cat([aux, aux.new_zeros(1, aux.shape[-1])])  # row p: never visible to its own block
+    anchor = torch.tensor([[p]], device=ids.device)
+    states = draft(ids[None], context[None], anchor, block_size=k + 1)[0, 0, 1:]
+    return draft.lm_head(states).argmax(-1).tolist()
+
+
+def proposals(draft: Eagle3Draft | DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
+    """The k tokens the draft proposes after `ids`, by its method (chain or block)."""
+    if isinstance(draft, DFlashDraft):
+        return propose_block(draft, ids, aux, k)
+    return propose(draft, ids, aux, k)
+
+
+@torch.no_grad()
 def _target(model: Any, ids: list[int], aux_ids: list[int], last: int,
             device: torch.device) -> tuple[list[int], torch.Tensor]:
     """Greedy next token at the `last` final positions, and the aux states of all positions [n, 3H] on
@@ -61,7 +86,7 @@ def _target(model: Any, ids: list[int], aux_ids: list[int], last: int,
     return out.logits[0].argmax(-1).tolist(), aux
 
 
-def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[int], eot: int, k: int,
+def speculate(model: Any, draft: Eagle3Draft | DFlashDraft, aux_ids: list[int], prompt: list[int], eot: int, k: int,
               max_tokens: int) -> tuple[list[int], list[int]]:
     """Generate one answer; returns its tokens and the accepted count of every draft."""
     device = draft.fc.weight.device
@@ -70,7 +95,7 @@ def speculate(model: Any, draft: Eagle3Draft, aux_ids: list[int], prompt: list[i
     accepted: list[int] = []
     while ids[-1] != eot and len(ids) - len(prompt) < max_tokens:
         n = len(ids)
-        drafts = propose(draft, torch.tensor(ids, device=device), aux[: n - 1], k)
+        drafts = proposals(draft, torch.tensor(ids, device=device), aux[: n - 1], k)
         # the target's choice after ids, then after each proposal
         verified, aux = _target(model, ids + drafts, aux_ids, k + 1, device)
         a = 0
@@ -120,7 +145,8 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
     cuda = torch.cuda.is_available()
     dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
-    module, aux_ids = load_draft(ds.path, model)
+    method = draft_method(ds.path)
+    module, aux_ids = (load_dflash_draft if method == "dflash" else load_draft)(ds.path, model)
     module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
                                                   device_map=device_map or ("auto" if cuda else None),
@@ -136,7 +162,8 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
         generated += len(tokens)
     drafts, acc = len(counts), sum(counts)
     result = {
-        "draft": ds.ref, "model": str(model), "prompts": len(conversations), "spec_tokens": spec_tokens,
+        "draft": ds.ref, "method": method, "model": str(model), "prompts": len(conversations),
+        "spec_tokens": spec_tokens,
         "max_tokens": max_tokens, "dtype": dtype, "drafts": drafts, "draft_tokens": drafts * spec_tokens, "accepted": acc,
         "acceptance_length": 1 + acc / drafts if drafts else None,
         # share of drafts whose position i was accepted (vLLM: accepted_per_pos[i] / drafts)
