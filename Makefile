@@ -36,8 +36,16 @@ SYNTH_ARGS  ?=
 SYNTH        ?=
 HIDDEN       ?=
 EXTRACT_ARGS ?=
-# FOLLOW=1: extract a synth dataset while eyas-synth still writes it (eyas-extract run --follow)
+# FOLLOW=1: extract a synth dataset while eyas-synth still writes it, train on a hidden dataset while
+# eyas-extract still writes it (--follow)
 FOLLOW       ?=
+# DISK_BUDGET=50G (with FOLLOW=1): extract waits while the shards not yet consumed by training exceed it, and
+# train deletes each shard after its last use (--consume)
+DISK_BUDGET  ?=
+# make pipeline: the host of each stage (default: HOST, or this machine)
+SYNTH_HOST   ?=
+EXTRACT_HOST ?=
+TRAIN_HOST   ?=
 TRAIN_ARGS   ?=
 BACKEND      ?= hf
 NPROC        ?= 1
@@ -277,11 +285,12 @@ synth: $(LOCAL_DEPS) ## stage 01: N PROMPTS SERVER MODEL NAME [TRUST_REMOTE_CODE
 	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,validate $(NAME) $(TRC))
 
 EXTRACT_RUN = run --synth $(SYNTH) --model $(call path_arg,$(MODEL)) --name $(NAME) --backend $(BACKEND) \
-  $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(EXTRACT_ARGS)
+  $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(if $(DISK_BUDGET),--disk-budget $(DISK_BUDGET)) \
+  $(EXTRACT_ARGS)
 # a local --backend vllm run needs .venv-vllm
 EXTRACT_DEPS = $(LOCAL_DEPS) $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),vllm)
 extract: $(EXTRACT_DEPS) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_CODE=1 BACKEND=hf|vllm NPROC
-##   FOLLOW=1 EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
+##   FOLLOW=1 DISK_BUDGET EXTRACT_ARGS] [RUNNER HOST REGISTRY DATA GPUS]
 	$(call require,SYNTH MODEL NAME,make extract SYNTH=synth/NAME MODEL=/path/to/target NAME=hidden_name \
 	  [BACKEND=hf|vllm] [EXTRACT_ARGS='--teacher topk --aux-dtype fp8'])
 	$(call run_stage,extract,$(EXTRACT_LOCAL),,$(EXTRACT_RUN),$(EXTRACT_MODULE))
@@ -291,11 +300,26 @@ extract-finalize: $(LOCAL_DEPS) ## stage 02: mark hidden/NAME complete once ever
 	$(call require,NAME,make extract-finalize NAME=hidden_name)
 	$(call run_stage,extract,$(VENV)/bin/eyas-extract,,finalize $(NAME))
 
-TRAIN_RUN = run --hidden $(HIDDEN) --model $(call path_arg,$(MODEL)) --name $(NAME) $(TRC) $(TRAIN_ARGS)
-train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CODE=1 NPROC TRAIN_ARGS]
-##   [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
+TRAIN_RUN = run --hidden $(HIDDEN) --model $(call path_arg,$(MODEL)) --name $(NAME) $(TRC) \
+  $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(if $(DISK_BUDGET),--consume) $(TRAIN_ARGS)
+train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CODE=1 NPROC FOLLOW=1 DISK_BUDGET
+##   TRAIN_ARGS] [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
 	$(call require,HIDDEN MODEL NAME,make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name)
 	$(call run_stage,train,$(VENV)/bin/eyas-train,,$(TRAIN_RUN),eyas_train.cli)
+
+# Each stage a job of its own process group (set -m), so that one failing, or Ctrl-C, stops all three.
+pipeline: $(LOCAL_DEPS) ## stages 01-03 at once, streaming through DATA: N PROMPTS SERVER MODEL NAME (synth/,
+##   hidden/ and drafts/NAME) [DISK_BUDGET SYNTH_HOST EXTRACT_HOST TRAIN_HOST SYNTH_ARGS EXTRACT_ARGS TRAIN_ARGS]
+	$(call require,PROMPTS MODEL NAME,make pipeline N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 \
+	  MODEL=/path/to/target NAME=run1 [SYNTH_HOST= EXTRACT_HOST= TRAIN_HOST=])
+	@set -m; sub='$(MAKE) --no-print-directory NAME=$(NAME) FOLLOW=1'; \
+	$$sub synth $(call pipeline_host,SYNTH) & s=$$!; \
+	$$sub extract SYNTH=synth/$(NAME) $(call pipeline_host,EXTRACT) & e=$$!; \
+	$$sub train HIDDEN=hidden/$(NAME) $(call pipeline_host,TRAIN) & t=$$!; set +m; \
+	stop() { kill -TERM -- -$$s -$$e -$$t 2>/dev/null; wait; }; trap 'stop; exit 130' INT TERM; \
+	for i in 1 2 3; do wait -n && continue; rc=$$?; \
+	  echo "make pipeline: a stage failed (exit $$rc); stopping the others" >&2; stop; exit $$rc; done
+pipeline_host = $(if $($(1)_HOST),HOST=$($(1)_HOST))
 
 EVAL_RUN = eval --draft $(DRAFT) --model $(call path_arg,$(MODEL)) --prompts $(call path_arg,$(PROMPTS)) \
   --spec-tokens $(SPEC_TOKENS) $(TRC) $(EVAL_ARGS)
@@ -352,6 +376,9 @@ bench-extract: install ## extraction tokens/s vs a bare forward, bytes/token vs 
 
 bench-train: install ## useful tokens/s of a TTT step, packed vs padded and vs a bare step, fixture and SmolLM2 shapes
 	$(PY) bench/train.py
+
+bench-stream: install ## extract+train one after the other vs at once under a disk budget: peak disk, wall, acceptance
+	$(PY) bench/stream.py
 
 QUALITY_ARGS ?=
 bench-quality: install vllm ## draft acceptance in vLLM, defaults vs best hand recipe (hours on CPU;
@@ -433,6 +460,6 @@ test-images: install vllm image-tools ## build, push, pull and run the cpu image
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help settings install vllm test test-fast demo synth extract extract-finalize train eval serve bench-serve \
-        bench-synth bench-extract bench-train bench-quality datasets rm-data base-context os-image build-base build \
-        push clean-remote image-tools test-images clean
+.PHONY: help settings install vllm test test-fast demo synth extract extract-finalize train pipeline eval serve \
+        bench-serve bench-synth bench-extract bench-train bench-stream bench-quality datasets rm-data base-context \
+        os-image build-base build push clean-remote image-tools test-images clean

@@ -60,9 +60,31 @@ def test_eval_uses_spec_tokens(knobs, want):
 
 
 @pytest.mark.parametrize("follow, flags", [("1", 1), ("yes", 1), ("", 0), ("0", 0)])
-def test_extract_follow_knob(follow, flags):
-    line = dry_lines("extract", SYNTH="synth/s", MODEL="/models/K", NAME="h", FOLLOW=follow)[-1]
+@pytest.mark.parametrize("stage, knobs", [("extract", {"SYNTH": "synth/s"}), ("train", {"HIDDEN": "hidden/s"})])
+def test_follow_knob(stage, knobs, follow, flags):
+    line = dry_lines(stage, MODEL="/models/K", NAME="h", FOLLOW=follow, **knobs)[-1]
     assert shlex.split(line).count("--follow") == flags, line
+
+
+@pytest.mark.parametrize("stage, knobs, flag", [("extract", {"SYNTH": "synth/s"}, ["--disk-budget", "50G"]),
+                                                ("train", {"HIDDEN": "hidden/s"}, ["--consume"])])
+def test_disk_budget_knob(stage, knobs, flag):
+    words = shlex.split(dry_lines(stage, MODEL="/models/K", NAME="h", FOLLOW="1", DISK_BUDGET="50G", **knobs)[-1])
+    assert "--follow" in words and " ".join(flag) in " ".join(words), words
+    assert "--consume" not in shlex.split(dry_lines(stage, MODEL="/m", NAME="h", FOLLOW="1", **knobs)[-1])
+
+
+def test_pipeline_starts_the_three_stages_following_each_other_each_on_its_host():
+    # recursive makes run under -n too, and print their own commands
+    lines = dry_lines("pipeline", N="8", PROMPTS="/p.jsonl", MODEL="/models/K", NAME="run1", TRAIN_HOST="u@gpu2")
+    synth = [x for x in lines if "eyas-synth run" in x]
+    extract = [x for x in lines if "eyas-extract run" in x]
+    train = [x for x in lines if "eyas-train" in x and " run " in x]
+    assert len(synth) == len(extract) == len(train) == 1, lines
+    assert "--name run1" in synth[0] and "--n 8" in synth[0]
+    assert "--synth synth/run1" in extract[0] and "--follow" in extract[0] and "ssh" not in extract[0]
+    assert "--hidden hidden/run1" in train[0] and "--follow" in train[0] and train[0].startswith("ssh ")
+    assert "u@gpu2" in train[0] or "gpu2" in train[0]
 
 
 @pytest.mark.parametrize("knobs", [{"DATASET": "synth/s"}, {"REF": "synth/s"}], ids=["DATASET", "old-REF"])

@@ -22,6 +22,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Collection, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -569,6 +570,18 @@ def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path |
         raise DatasetError(f"{ds.ref}: status is {manifest.get('status')!r}, not 'complete' (its producer "
                            f"stopped before the end); rerun {REMAKE[kind]} with the same name to finish it")
     return ds, manifest
+
+
+def await_start(ref: str, kind: str, *, root: Path | None, poll_s: float, say: Any) -> None:
+    """--follow: wait until the producer of `ref` has started it (its manifest is there), saying so every
+    30 s, so that the stages of a pipeline can be started together (`make pipeline`)."""
+    ds = Dataset.parse(ref, kind, root)
+    said_at = None
+    while not ds.manifest_path.exists():
+        if said_at is None or time.monotonic() - said_at >= 30:
+            say(f"waiting for {ds.ref} to be started (no {MANIFEST} at {ds.path} yet)")
+            said_at = time.monotonic()
+        time.sleep(poll_s)
 
 
 def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, Any]) -> None:

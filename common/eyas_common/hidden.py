@@ -21,6 +21,10 @@ Row t of a sample holds the states computed at position t (they predict token t+
 
 Writing (stage 02): `ShardWriter` fills a shard of known layout and renames it into place, `write_run`
 records a worker's run; finalizing reads them back with `missing_shards`, `count_shard` and `read_runs`.
+Consuming (stage 03 `--consume`): `consume` deletes a shard a training run has used for the last time
+and marks its `files` entry `"consumed": {"by": "drafts/NAME", "step": S}`. Extract and train write the
+manifest at the same time then, so both write it through `update_manifest` (a mutex beside the dataset;
+consumed marks are carried over). A dataset with consumed shards is read by its consumer alone.
 Reading: `open_hidden(ref)` refuses a partial, unknown or missing dataset, then `HiddenShards` opens
 exactly the shards the manifest lists, after checking each one's size (and sha256 when the dataset is
 small enough to hash quickly) and that no unlisted file sits in the folder. Handles are opened
@@ -30,9 +34,12 @@ lazily and dropped on pickling, so the reader can go to DataLoader workers.
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import math
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +49,7 @@ from safetensors import safe_open
 
 from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, open_input,
                                   raise_write_error, sha256_file, temp_path, write_json_atomic)
+from eyas_common.lock import any_holder
 
 FORMAT = "eyas.hidden/1"
 RUNS = "runs"
@@ -79,9 +87,74 @@ def read_runs(ds: Dataset) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((ds.path / RUNS).glob("worker-*-of-*.json"))]
 
 
+CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
+
+
+def consumed_marks(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Shard name -> {"by": draft ref, "step": optimiser step} of every consumed shard."""
+    return {e["name"]: e[CONSUMED] for e in manifest.get("files") or [] if CONSUMED in e}
+
+
+@contextmanager
+def manifest_mutex(ds: Dataset) -> Iterator[None]:
+    # Beside the dataset (its folder holds only data), and not named *.lock: it is not a writer lock.
+    path = ds.root / ds.kind / f".{ds.name}.manifest-mutex"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)
+
+
+def update_manifest(ds: Dataset, manifest: dict[str, Any]) -> None:
+    """Write the hidden manifest, keeping every consumed mark the one on disk has (a training run may have
+    consumed shards since `manifest` was read): a consumed entry is kept even when its file is gone."""
+    with manifest_mutex(ds):
+        marks = consumed_marks(ds.read_manifest()) if ds.manifest_path.exists() else {}
+        on_disk = {e["name"]: e for e in ds.read_manifest().get("files") or []} if marks else {}
+        files = {e["name"]: e for e in manifest.get("files") or []}
+        for name, mark in marks.items():
+            files[name] = {**files.get(name, on_disk[name]), CONSUMED: mark}
+        manifest["files"] = [files[name] for name in sorted(files)]
+        ds.write_manifest(manifest)
+
+
+def consume(ds: Dataset, names: list[str], *, by: str, step: int) -> None:
+    """Mark shards consumed by `by` at `step`, then delete them (a kill between the two leaves a marked shard
+    whose file the next call deletes)."""
+    with manifest_mutex(ds):
+        manifest = ds.read_manifest()
+        for e in manifest.get("files") or []:
+            if e["name"] in names and CONSUMED not in e:
+                e[CONSUMED] = {"by": by, "step": step}
+        ds.write_manifest(manifest)
+    for name in names:
+        (ds.path / name).unlink(missing_ok=True)
+
+
+def refuse_consumed(ds: Dataset, manifest: dict[str, Any], consumer: str | None) -> dict[str, dict[str, Any]]:
+    """The consumed marks, after refusing a reader other than the draft that consumed them."""
+    marks = consumed_marks(manifest)
+    by = {m.get("by") for m in marks.values()}
+    if marks and by != {consumer}:
+        name, mark = next(iter(marks.items()))
+        raise DatasetError(f"{ds.ref} was consumed by {', '.join(sorted(map(str, by)))} ({len(marks)} shards deleted "
+                           f"after their last use, {name} at step {mark.get('step')}); only that draft's run reads it "
+                           f"(to resume). Remake it with {REMAKE['hidden']} under another name to train on it again")
+    return marks
+
+
+def made_shards(ds: Dataset) -> set[str]:
+    """The names of the shards made so far: final files, and shards consumed since they were made."""
+    marks = consumed_marks(ds.read_manifest()) if ds.manifest_path.exists() else {}
+    return {p.name for p in ds.path.glob("shard-*.safetensors")} | set(marks)
+
+
 def missing_shards(ds: Dataset, num_shards: int) -> list[int]:
-    """The shard indices of [0, num_shards) with no final file yet."""
-    return [j for j in range(num_shards) if not (ds.path / shard_name(j)).exists()]
+    """The shard indices of [0, num_shards) not made yet."""
+    made = made_shards(ds)
+    return [j for j in range(num_shards) if shard_name(j) not in made]
 
 
 def row_tensors(cfg: Any) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
@@ -241,16 +314,19 @@ class SampleRef:
         return self.end - self.start
 
 
-def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES) -> list[Path]:
-    """The shard paths the manifest lists, after refusing a missing, resized, changed or unlisted file."""
-    listed = {f["name"]: f for f in manifest.get("files", [])}
+def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES,
+                consumer: str | None = None) -> list[Path]:
+    """The shard paths the manifest lists, after refusing a missing, resized, changed or unlisted file (a
+    shard `consumer` consumed is gone by design: its path is listed, unchecked)."""
+    gone = refuse_consumed(ds, manifest, consumer)
+    listed = {f["name"]: f for f in manifest.get("files", []) if f["name"] not in gone}
     n = int(manifest.get("params", {}).get("num_shards", -1))
     names = [shard_name(j) for j in range(n)]
     fix = f"check it with `eyas-data verify {ds.ref}`, then rerun {REMAKE['hidden']} (or restore the file)"
-    unlisted = [j for j in names if j not in listed]
+    unlisted = [j for j in names if j not in listed and j not in gone]
     if n < 1 or unlisted:
-        raise DatasetError(f"{ds.ref}: the manifest lists {sum(j in listed for j in names)} of its {max(n, 0)} "
-                           f"shards ({', '.join(unlisted[:3]) or 'num_shards missing'}); {fix}")
+        raise DatasetError(f"{ds.ref}: the manifest lists {sum(j in listed or j in gone for j in names)} of its "
+                           f"{max(n, 0)} shards ({', '.join(unlisted[:3]) or 'num_shards missing'}); {fix}")
     for name, entry in listed.items():
         p = ds.path / name
         if not p.is_file():
@@ -263,8 +339,8 @@ def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH
         if p.is_file() and rel != MANIFEST and not is_temp(p) and rel not in listed:
             raise DatasetError(f"{ds.ref}: {rel} is in {ds.path} but not in the manifest (a stray or foreign "
                                f"file); move it out of the dataset, or {fix}")
-    if sum(listed[j]["bytes"] for j in names) <= hash_limit:
-        for name in names:
+    if sum(listed[j]["bytes"] for j in names if j in listed) <= hash_limit:
+        for name in (j for j in names if j in listed):
             if sha256_file(ds.path / name) != listed[name].get("sha256"):
                 raise DatasetError(f"{ds.ref}: {name}: sha256 differs from the manifest (changed after it was "
                                    f"written); {fix}")
@@ -299,19 +375,80 @@ def count_shard(ds: Dataset, j: int) -> ShardCounts:
 
 
 class HiddenShards:
-    """A complete hidden dataset, read through mmap; `samples` in shard order (ascending sample id)."""
+    """A hidden dataset read through mmap; `samples` in shard order (ascending sample id).
 
-    def __init__(self, ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES):
-        self.ds, self.manifest = ds, manifest
+    Complete, it is opened whole (check_files). With `follow`, a partial dataset that `eyas-extract run
+    --follow` is writing is opened as far as its manifest lists final shards (each one's bytes and sha256
+    checked as it is taken), and `grow` takes the shards listed since; samples are only ever appended.
+    """
+
+    def __init__(self, ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH_LIMIT_BYTES,
+                 follow: bool = False, consumer: str | None = None):
+        self.ds, self.manifest, self.hash_limit, self.consumer = ds, manifest, hash_limit, consumer
         self.params: dict[str, Any] = manifest["params"]
-        self.files = check_files(ds, manifest, hash_limit=hash_limit)
         self.teacher: str = self.params["teacher"]
+        self.files: list[Path] = []
         self.samples: list[SampleRef] = []
+        self.shard_starts: list[int] = [0]  # shard i holds samples shard_starts[i]:shard_starts[i + 1]
         self._handles: dict[int, Any] = {}
-        for i in range(len(self.files)):
-            h = self._handle(i)
-            offsets, ids = h.get_tensor("offsets").tolist(), h.get_tensor("sample_ids").tolist()
-            self.samples += [SampleRef(i, a, b, s) for a, b, s in zip(offsets[:-1], offsets[1:], ids)]
+        self.writer: dict[str, Any] | None = None  # the extract run writing it, as `grow` last found
+        if self.complete:
+            self._take(check_files(ds, manifest, hash_limit=hash_limit, consumer=consumer))
+        elif follow:
+            self._take(self._listed_final())
+        else:
+            raise DatasetError(f"{ds.ref}: status is {manifest.get('status')!r}, not 'complete'; rerun "
+                               f"{REMAKE['hidden']} with the same name to finish it")
+
+    @property
+    def complete(self) -> bool:
+        return self.manifest.get("status") == "complete"
+
+    def grow(self) -> int:
+        """Take the shards listed since the last look; the number taken. The writer is asked before the
+        manifest is read, so a writer found gone has listed everything it made."""
+        self.writer = any_holder(self.ds)
+        self.manifest = self.ds.read_manifest()
+        if self.complete:
+            paths = check_files(self.ds, self.manifest, hash_limit=self.hash_limit, consumer=self.consumer)
+            if [p.name for p in paths[:len(self.files)]] != [p.name for p in self.files]:
+                raise DatasetError(f"{self.ds.ref}: its shards changed while it was read; {REMAKE['hidden']}")
+            new = paths[len(self.files):]
+        else:
+            new = self._listed_final()[len(self.files):]
+        self._take(new, start=len(self.files))
+        return len(new)
+
+    def _listed_final(self) -> list[Path]:
+        """The final shards a partial manifest lists, from shard 0 up to the first one not listed yet; each
+        new one is checked against its entry (bytes, sha256) before it is read."""
+        listed = {f["name"]: f for f in self.manifest.get("files") or []}
+        gone = refuse_consumed(self.ds, self.manifest, self.consumer)
+        out: list[Path] = []
+        while (entry := listed.get(shard_name(len(out)))) is not None:
+            path = self.ds.path / entry["name"]
+            if len(out) >= len(self.files) and path.name not in gone:
+                if not path.is_file() or path.stat().st_size != entry.get("bytes") or \
+                        sha256_file(path) != entry.get("sha256"):
+                    raise DatasetError(f"{self.ds.ref}: {path.name} does not match its manifest entry (missing, "
+                                       f"resized or changed after it was listed); rerun {REMAKE['hidden']}")
+            out.append(path)
+        return out
+
+    def _take(self, paths: list[Path], start: int = 0) -> None:
+        """Index the samples of `paths` (shards start, start + 1, ...). A consumed shard (its consumer resuming)
+        is indexed from its entry's sample count, as placeholders that are never read: the consumer's plan
+        only counts them."""
+        entries = {f["name"]: f for f in self.manifest.get("files") or []}
+        for i, path in enumerate(paths, start):
+            self.files.append(path)
+            if CONSUMED in entries.get(path.name, {}):
+                self.samples += [SampleRef(i, 0, 0, -1)] * int(entries[path.name]["records"])
+            else:
+                h = self._handle(i)
+                offsets, ids = h.get_tensor("offsets").tolist(), h.get_tensor("sample_ids").tolist()
+                self.samples += [SampleRef(i, a, b, s) for a, b, s in zip(offsets[:-1], offsets[1:], ids)]
+            self.shard_starts.append(len(self.samples))
 
     def __len__(self) -> int:
         return len(self.samples)
@@ -352,9 +489,9 @@ class HiddenShards:
             out[k] = h.get_slice(k)[a:b]
         return out
 
-    def token_columns(self) -> Any:
-        """(input_ids, loss_mask) of each shard in turn, whole."""
-        for i in range(len(self.files)):
+    def token_columns(self, shards: int | None = None) -> Any:
+        """(input_ids, loss_mask) of each shard in turn (the first `shards` of them), whole."""
+        for i in range(len(self.files) if shards is None else shards):
             h = self._handle(i)
             yield h.get_tensor("input_ids"), h.get_tensor("loss_mask")
 

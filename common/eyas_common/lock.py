@@ -105,6 +105,15 @@ def holder(ds: Dataset, part: str = "") -> dict[str, Any] | None:
         os.close(fd)
 
 
+def any_holder(ds: Dataset) -> dict[str, Any] | None:
+    """Who writes `ds` now under any part's lock (extract's workers each hold their own), or None."""
+    for path in sorted(lock_file(ds).parent.glob(f".{ds.name}.*lock")):
+        part = path.name[len(ds.name) + 2:-len(".lock")]
+        if (h := holder(ds, part)) is not None:
+            return h
+    return None
+
+
 def _read(fd: int) -> dict[str, Any] | None:
     try:
         raw = os.pread(fd, 65536, 0)

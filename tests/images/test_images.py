@@ -1,7 +1,8 @@
 """The images, built and run for real on this machine (`make test-images`, as root): the cpu base and every
 stage image build; `make push` reaches a registry; `make synth HOST=...` pulls the synth image and runs it
 over ssh against real vLLM; extract and train run from their images and record the image tag; training on two
-ssh hosts (one torchrun node each) equals one process; a patch to
+ssh hosts (one torchrun node each) equals one process; `make pipeline` streams synth, extract and train across
+the two ssh hosts under a disk budget; a patch to
 one stage rebuilds only that image's last layers; `make clean-remote` deletes one dataset and refuses
 paths outside the data root. The tests run in file order, each on what the previous ones left."""
 
@@ -20,11 +21,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset
 from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.stub import start_stub
 from eyas_testing.servers import VllmServer, free_port, start_vllm, stop, wait_healthy
 
 from engines import Engines, registry_tags, running_engines
+from helpers import rendering_answer
 
 REPO = Path(__file__).resolve().parents[2]
 OS_IMAGE = "eyas-os:bookworm"
@@ -215,6 +219,25 @@ def test_training_on_two_hosts_equals_one_process(repo, engines, data, model):
     assert a.keys() == b.keys()
     for name in a:  # equal up to the order of float sums
         torch.testing.assert_close(a[name].float(), b[name].float(), atol=2e-5, rtol=1e-4, msg=name)
+
+
+def test_pipeline_streams_across_two_ssh_hosts_under_a_disk_budget(repo, engines, data, model, tmp_path):
+    """make pipeline with each stage on an ssh host (synth and train on one, extract on the other), from their
+    images, streaming through the shared data folder: each follows the one before, under a disk budget."""
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 24, 3)
+    hosts = engines.ssh_hosts
+    with start_stub(answer=rendering_answer(load_tokenizer(model)), latency_s=0.5) as stub:
+        make(repo, engines, "pipeline", SYNTH_HOST=hosts[0], EXTRACT_HOST=hosts[1], TRAIN_HOST=hosts[0],
+             DATA=str(data), MODEL=str(model), PROMPTS=str(prompts), SERVER=stub.url, NAME="p1", N="24",
+             MAX_TOKENS="40", TEMPERATURE="0", CONCURRENCY="1", SYNTH_ARGS="--seed 0", DISK_BUDGET="2000000",
+             EXTRACT_ARGS="--shard-samples 3 --poll-seconds 0.2",
+             TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --val-samples 2 "
+                        "--window-shards 2 --ckpt-every 1 --poll-seconds 0.2")
+    for ref, stage in (("synth/p1", "synth"), ("hidden/p1", "extract"), ("drafts/p1", "train")):
+        m = manifest(data, ref)
+        assert m["status"] == "complete" and m["producer"]["image"].startswith(f"eyas-{stage}:"), ref
+    shards = [e for e in manifest(data, "hidden/p1")["files"] if e["name"].startswith("shard-")]
+    assert shards and all(e.get("consumed", {}).get("by") == "drafts/p1" for e in shards)
 
 
 def layers(engines: Engines, image: str) -> list[str]:

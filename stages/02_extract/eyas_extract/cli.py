@@ -34,6 +34,26 @@ def _max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -
         raise click.BadParameter(f"{value!r}: expected DEVICE=SIZE pairs, e.g. 0=80GiB,1=80GiB,cpu=200GiB") from None
 
 
+class DiskSize(click.ParamType):
+    """A size in bytes: 50G, 500M, 2T, 1.5GB or a plain number (decimal units: G = 10^9 bytes)."""
+
+    name = "SIZE"
+    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
+
+    def convert(self, value, param, ctx) -> int:
+        if isinstance(value, int):
+            return value
+        text = str(value).strip().upper().removesuffix("B")
+        unit = text[-1:] if text[-1:] in self.UNITS else ""
+        try:
+            size = int(float(text[: len(text) - len(unit)]) * self.UNITS[unit])
+        except ValueError:
+            self.fail(f"{value!r} is not a size: expected e.g. 50G, 500M, 2T or a number of bytes", param, ctx)
+        if size <= 0:
+            self.fail(f"{value!r}: a budget must be above 0", param, ctx)
+        return size
+
+
 @click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
 def main() -> None:
     """Stage 02: synth samples -> the target's EAGLE-3 hidden states in $EYAS_DATA/hidden/NAME."""
@@ -84,6 +104,10 @@ def main() -> None:
                    "Exits 1 when synth stops partial. One worker: no --shard, no torchrun.")
 @click.option("--poll-seconds", type=click.FloatRange(min=0, min_open=True), default=D["poll_seconds"].default,
               help="With --follow: seconds between two reads of the synth dataset's files.")
+@click.option("--disk-budget", type=DiskSize(), default=None,
+              help="With --follow: before each shard, wait while the shards not yet consumed by training "
+                   "(eyas-train run --follow --consume) and the next one would exceed SIZE (50G, 500M, 2T or "
+                   "bytes; decimal units).  [default: no limit]")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.

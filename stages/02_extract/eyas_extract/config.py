@@ -45,6 +45,8 @@ class ExtractOptions:
     dry_run: bool = False         # print the placement plan, the disk bill and the estimated time, then stop
     follow: bool = False          # take a synth dataset still being written, each shard once final (follow.py)
     poll_seconds: float = 5.0     # with follow: how often synth's files are read again
+    disk_budget: int | None = None  # with follow: most bytes of shards not yet consumed by training (eyas-train
+                                    # --consume); None: no limit
 
 
 @dataclass

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
-from eyas_common.hidden import open_shard, shard_name
+from eyas_common.hidden import count_shard, made_shards, open_shard, shard_name, update_manifest
 from eyas_common.samples import SampleLine, SynthTail
 
 from eyas_extract.batching import plan_shards
@@ -94,6 +94,24 @@ class Follower:
                 f"(or accept its shortfall with --allow-missing), then rerun this one")
 
 
+def wait_for_budget(ds: Dataset, budget: int, next_bytes: int, *, poll_s: float, say: Callable[[str], None]) -> None:
+    """--disk-budget: before a shard of `next_bytes` is made, wait while the shards listed and not yet consumed by
+    a training run (`eyas-train run --follow --consume`) would exceed `budget` with it (one shard always goes)."""
+    said_at = -WAIT_LOG_S
+    while True:
+        files = ds.read_manifest().get("files") or []
+        held = sum(e["bytes"] for e in files if e["name"].startswith("shard-") and "consumed" not in e)
+        if held == 0 or held + next_bytes <= budget:
+            return
+        if time.monotonic() - said_at >= WAIT_LOG_S:
+            say(f"waiting for training to consume shards: {held / 1e9:.3f} GB of {ds.ref} not consumed yet + "
+                f"{next_bytes / 1e9:.3f} GB for the next shard > --disk-budget {budget / 1e9:.3f} GB (training "
+                f"deletes a shard at the first checkpoint after its last use: a budget under a window of shards "
+                f"plus a checkpoint interval waits for ever)")
+            said_at = time.monotonic()
+        time.sleep(poll_s)
+
+
 def follow_started(manifest: dict[str, Any]) -> bool:
     """A partial hidden dataset begun by --follow: its shard count is unknown (0) until synth is complete."""
     return manifest.get("status") != "complete" and (manifest.get("params") or {}).get("num_shards") == 0
@@ -121,12 +139,13 @@ def check_shards(ds: Dataset, sref: str, plan: list[list[SampleLine]]) -> list[i
     """The shards already in `ds` (a resumed run's), each checked to hold the samples the plan puts there; a
     shard the plan does not hold (its synth dataset was remade under the same name) is refused."""
     fix = f"delete it (`eyas-data rm {ds.ref}`) or pick another --name"
-    there = [j for j in range(len(plan)) if (ds.path / shard_name(j)).exists()]
-    extra = sorted({p.name for p in ds.path.glob(SHARD_GLOB)} - {shard_name(j) for j in there})
+    made = made_shards(ds)  # consumed ones too: a training run used them and deleted them since
+    there = [j for j in range(len(plan)) if shard_name(j) in made]
+    extra = sorted(made - {shard_name(j) for j in there})
     if extra:
         raise DatasetError(f"{ds.ref}: {extra[0]} is there but {sref} now makes {len(plan)} final shards (it was "
                            f"remade since); {fix}")
-    for j in there:
+    for j in (j for j in there if (ds.path / shard_name(j)).exists()):
         ids = open_shard(ds, ds.path / shard_name(j)).get_tensor("sample_ids").tolist()
         if ids != [r.id for r in plan[j]]:
             raise DatasetError(f"{ds.ref}: {shard_name(j)} holds samples {ids[:3]}... but {sref} now puts "
@@ -134,19 +153,22 @@ def check_shards(ds: Dataset, sref: str, plan: list[list[SampleLine]]) -> list[i
     return there
 
 
-def shard_entry(path: Path, shard: list[SampleLine]) -> dict[str, Any]:
-    """A final shard as the manifest lists it while partial: what a follower needs to take it."""
+def shard_entry(ds: Dataset, j: int, shard: list[SampleLine]) -> dict[str, Any]:
+    """A final shard as the manifest lists it while partial: what a follower needs to take it, and the counts
+    that finalizing needs once a training run has consumed it."""
+    path, counts = ds.path / shard_name(j), count_shard(ds, j)
     return {"name": path.name, "bytes": path.stat().st_size, "sha256": sha256_file(path), "records": len(shard),
-            "first_id": shard[0].id, "last_id": shard[-1].id}
+            "tokens": counts.tokens, "masked_tokens": counts.masked_tokens, "first_id": shard[0].id,
+            "last_id": shard[-1].id}
 
 
 def list_shards(ds: Dataset, manifest: dict[str, Any], plan: list[list[SampleLine]], shards: list[int]) -> None:
     """Add final shards to the manifest's `files` (in shard order; an entry whose file matches is kept, not
     hashed again) and write it: shards made by a killed run, between rename and listing, are listed here."""
     listed = {e["name"]: e for e in manifest.get("files") or []}
-    for j in shards:
+    for j in (j for j in shards if (ds.path / shard_name(j)).exists()):
         path = ds.path / shard_name(j)
         old = listed.get(path.name)
-        listed[path.name] = old if old and old.get("bytes") == path.stat().st_size else shard_entry(path, plan[j])
+        listed[path.name] = old if old and old.get("bytes") == path.stat().st_size else shard_entry(ds, j, plan[j])
     manifest["files"] = [listed[name] for name in sorted(listed) if (ds.path / name).exists()]
-    ds.write_manifest(manifest)
+    update_manifest(ds, manifest)  # with the consumed entries, whose files are gone

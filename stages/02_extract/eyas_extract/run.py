@@ -26,10 +26,10 @@ from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import CONFIG, read_checkpoint_size, read_text_config
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, check_schema, check_target, finalize, input_ref,
-                                  open_input, open_output, temp_files, verify)
-from eyas_common.hidden import (ShardWriter, bytes_per_token, count_shard, missing_shards, read_runs, shard_layout,
-                                shard_name, write_run)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, check_schema, check_target,
+                                  describe_files, input_ref, open_input, open_output, temp_files, verify)
+from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
+                                missing_shards, read_runs, shard_layout, shard_name, update_manifest, write_run)
 from eyas_common.lock import WriterLock
 from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
@@ -37,7 +37,7 @@ from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_n
 
 from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
-from eyas_extract.follow import Follower, check_shards, list_shards, resume_terms
+from eyas_extract.follow import Follower, check_shards, list_shards, resume_terms, wait_for_budget
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 
@@ -189,6 +189,7 @@ class Job:
     plan: list = field(default_factory=list)    # every shard's samples (batching.plan_shards)
     todo: list[int] = field(default_factory=list)  # this worker's shards still to make
     follower: Follower | None = None  # --follow: synth as it is being written, and the shards it makes final
+    disk_budget: int | None = None    # --follow --disk-budget: most bytes of shards not yet consumed by training
 
     @property
     def workers(self) -> int:
@@ -259,8 +260,11 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
                            f"expected one of {BACKENDS}, {TEACHERS}, {AUX_DTYPES}")
     part, parts = parse_shard(opts.shard)
     ranks = torchrun_ranks()
+    if opts.disk_budget and not opts.follow:
+        raise DatasetError("--disk-budget waits for a training run to consume shards as they are made: add --follow")
     if opts.follow:
         _refuse_follow(opts, parts, ranks.world)
+        await_start(opts.synth, "synth", root=data_root, poll_s=opts.poll_seconds, say=log)
     if ranks.world > 1 and (opts.backend == "vllm" or opts.device_map):
         raise DatasetError("under torchrun each rank runs its own copy of the target on its own GPU: --backend vllm "
                            "and --device-map need a process of their own; split hosts or GPUs with --shard I/N instead")
@@ -294,7 +298,8 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
         num_shards=0, batch_tokens=opts.batch_tokens, dtype=compute, attn=pick_attn(opts.attn, dev, compute),
         device_map=opts.device_map, trust_remote_code=opts.trust_remote_code)
     cfg.shard_tokens = max(1, opts.shard_mb * (1 << 20) // bytes_per_token(cfg))
-    job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(opts.name, "hidden", data_root), dev, ranks, part, parts)
+    job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(opts.name, "hidden", data_root), dev, ranks, part, parts,
+              disk_budget=opts.disk_budget)
     _cut(job, follow=opts.follow, poll_s=opts.poll_seconds)
     return job
 
@@ -324,7 +329,8 @@ def _cut(job: Job, *, follow: bool, poll_s: float) -> None:
                                f"remake it with {REMAKE['synth']}")
         job.plan = plan_shards(index, cfg.shard_samples, cfg.shard_tokens)
         cfg.num_shards = len(job.plan)
-    job.todo = [j for j in job.mine if not (job.ds.path / shard_name(j)).exists()]
+    made = made_shards(job.ds)
+    job.todo = [j for j in job.mine if shard_name(j) not in made]
 
 
 def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Path | None, *, follow: bool
@@ -414,17 +420,26 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
 
     with Extraction(job.cfg, job.dev, ds, job.sds.path / SAMPLES, max_len=_follow_max_len(job.smanifest),
                     progress=progress) as ex:
+        def budgeted(todo: list[int]) -> None:
+            if not job.disk_budget:
+                ex.shards(job.plan, todo, then=listed)
+                return
+            for j in todo:  # one at a time, each once the budget has room for it
+                size = shard_layout(job.cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size
+                wait_for_budget(ds, job.disk_budget, size, poll_s=follower.poll_s, say=log)
+                ex.shards(job.plan, [j], then=listed)
+
         def extract(todo: list[int]) -> None:
             job.todo += todo
-            ex.shards(job.plan, todo, then=listed)
+            budgeted(todo)
 
-        ex.shards(job.plan, job.todo, then=listed)
+        budgeted(job.todo)
         follower.run(job.plan, extract, ds=ds, say=log)
         stats = ex.finish()
     _refuse_corrupted(job.sds)  # complete now: its files must be what its manifest says, as for any run
     job.cfg.num_shards = manifest["params"]["num_shards"] = len(job.plan)
     manifest["inputs"] = [input_ref(job.sds)]
-    ds.write_manifest(manifest)
+    update_manifest(ds, manifest)
     return stats
 
 
@@ -521,30 +536,48 @@ class Extraction:
             self.backend.close()
 
 
+def _counts(ds: Dataset, manifest: dict[str, Any], j: int) -> ShardCounts:
+    """Shard j's counts: read from the shard, or from its entry when a training run consumed it."""
+    entry = next((e for e in manifest.get("files") or [] if e["name"] == shard_name(j)), {})
+    if "consumed" not in entry:
+        return count_shard(ds, j)
+    return ShardCounts(entry["records"], entry["tokens"], entry["masked_tokens"], entry["bytes"])
+
+
 def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, Any]:
-    """Check that every shard is there, merge the workers' stats and mark hidden/NAME complete."""
+    """Check that every shard is there, merge the workers' stats and mark hidden/NAME complete. Under the
+    manifest's mutex: a training run consuming shards (--consume) waits, and its marks are kept."""
     ds = Dataset.parse(name, "hidden", data_root)
-    manifest = ds.read_manifest()
-    check_schema(ds, manifest)
-    n = manifest["params"]["num_shards"]
-    missing = missing_shards(ds, n)
-    if missing:
-        raise DatasetError(f"{ds.ref}: shards {missing[:10]}{' ...' if len(missing) > 10 else ''} of {n} are missing; "
-                           f"rerun {REMAKE['hidden']} with the same options (each --shard I/N part) to make them")
-    counts = [count_shard(ds, j) for j in range(n)]
-    samples, tokens = sum(c.samples for c in counts), sum(c.tokens for c in counts)
-    size = sum(c.bytes for c in counts)
-    runs = read_runs(ds)
+    with manifest_mutex(ds):
+        manifest = ds.read_manifest()
+        check_schema(ds, manifest)
+        n = manifest["params"]["num_shards"]
+        missing = missing_shards(ds, n)
+        if missing:
+            raise DatasetError(f"{ds.ref}: shards {missing[:10]}{' ...' if len(missing) > 10 else ''} of {n} are "
+                               f"missing; rerun {REMAKE['hidden']} with the same options (each --shard I/N part) to "
+                               f"make them")
+        counts = [_counts(ds, manifest, j) for j in range(n)]
+        stats = _final_stats(counts, read_runs(ds))
+        consumed = [e for e in manifest.get("files") or [] if "consumed" in e]
+        files = describe_files(ds, {shard_name(j): c.samples for j, c in enumerate(counts)}) + consumed
+        manifest |= {"files": sorted(files, key=lambda e: e["name"]), "stats": stats, "status": "complete"}
+        ds.write_manifest(manifest)
+    log(f"{ds.ref} complete: {stats['samples']:,} samples, {stats['tokens']:,} tokens in {n} shards, "
+        f"{stats['bytes'] / 1e9:.3f} GB ({stats['bytes_per_token']:,} B/token), {stats['tokens_per_s'] or 0:,.0f} "
+        f"tokens/s, wall {stats['wall_s']} s")
+    return stats
+
+
+def _final_stats(counts: list[ShardCounts], runs: list[dict[str, Any]]) -> dict[str, Any]:
+    tokens, size = sum(c.tokens for c in counts), sum(c.bytes for c in counts)
     compute = max((r.get("compute_s", 0) for r in runs), default=0)
-    stats = {
-        "samples": samples, "tokens": tokens, "masked_tokens": sum(c.masked_tokens for c in counts), "shards": n,
-        "bytes": size, "bytes_per_token": round(size / tokens, 2),
+    return {
+        "samples": sum(c.samples for c in counts), "tokens": tokens,
+        "masked_tokens": sum(c.masked_tokens for c in counts), "shards": len(counts), "bytes": size,
+        "bytes_per_token": round(size / tokens, 2),
         # All workers together, assuming they ran side by side: their tokens over the longest run.
         "tokens_per_s": round(sum(r.get("tokens", 0) for r in runs) / compute, 1) if compute else None,
         "wall_s": max((r.get("wall_s", 0) for r in runs), default=None),
         "workers": runs,
     }
-    manifest = finalize(ds, manifest, stats=stats, records={shard_name(j): c.samples for j, c in enumerate(counts)})
-    log(f"{ds.ref} complete: {samples:,} samples, {tokens:,} tokens in {n} shards, {size / 1e9:.3f} GB "
-        f"({stats['bytes_per_token']:,} B/token), {stats['tokens_per_s'] or 0:,.0f} tokens/s, wall {stats['wall_s']} s")
-    return stats

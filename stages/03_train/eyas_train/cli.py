@@ -66,6 +66,22 @@ def main() -> None:
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,
               help="Residual of the draft layer: hidden_norm(h) (before) or h (after, EAGLE-3/SGLang layout).")
 @click.option("--seed", type=click.IntRange(min=0), default=D["seed"].default, help="Init and data-order seed.")
+@click.option("--order", type=click.Choice(["random", "shards"]), default=None,
+              help="Data order. random: every epoch a seeded permutation of all samples; shards: the first pass "
+                   "walks the shards in order, --window-shards at a time, shuffled within each (later passes "
+                   "random).  [default: shards with --follow, else random]")
+@click.option("--window-shards", type=click.IntRange(min=1), default=D["window_shards"].default,
+              help="--order shards: shards shuffled together; the first window also gives the validation "
+                   "samples, the recipe's tokens per sample and the draft vocabulary.")
+@click.option("--follow", is_flag=True,
+              help="Train while `eyas-extract run --follow` still writes the hidden dataset, taking each shard "
+                   "once it is final (implies --order shards).")
+@click.option("--poll-seconds", type=click.FloatRange(min=0, min_open=True), default=D["poll_seconds"].default,
+              help="--follow: seconds between looks at the hidden manifest.")
+@click.option("--consume", is_flag=True,
+              help="--order shards: delete each hidden shard at the first checkpoint after its last use, marked "
+                   "in the hidden manifest (which then serves this draft alone); with a one-pass recipe this "
+                   "bounds the disk with `eyas-extract run --follow --disk-budget`.")
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=D["parallel"].default,
               help="Data parallelism under torchrun (FSDP2 shards parameters and optimiser state).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=D["precision"].default,
@@ -103,6 +119,16 @@ def run(**kw) -> None:
     """Train drafts/NAME on hidden/HIDDEN; an interrupted run resumes from its last checkpoint."""
     from eyas_train.train import run as train_run
 
+    if kw["follow"] and kw["order"] == "random":
+        raise click.UsageError("--follow trains in shard order: drop --order random (or --follow)")
+    if (kw["follow"] or kw["order"] == "shards") and kw["method"] != "eagle3":
+        raise click.UsageError(f"--order shards and --follow train EAGLE-3 drafts only for now, not --method "
+                               f"{kw['method']}")
+    if kw["consume"] and not (kw["follow"] or kw["order"] == "shards"):
+        raise click.UsageError("--consume deletes shards after their last use in shard order: add --order shards "
+                               "(or --follow)")
+    if kw["order"] is None:
+        kw.pop("order")
     click.echo(train_run(**kw))
 
 

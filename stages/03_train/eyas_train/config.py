@@ -8,7 +8,8 @@ from typing import Any
 # What may change between a run and its resumption without changing the result; every other field must
 # match (eyas_common.contract.open_output). `batching` lays out the same samples with the same loss
 # (ttt.py), so it changes only the speed.
-MAY_CHANGE = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching")
+MAY_CHANGE = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching", "follow",
+              "poll_seconds", "consume")
 
 
 @dataclass(frozen=True)
@@ -39,6 +40,12 @@ class TrainConfig:
     grad_clip: float = 0.5          # max global gradient norm
     norm_before_residual: bool = False  # False: residual = fused hidden (EAGLE-3, SGLang); written to config.json
     seed: int = 0                   # init, and the data order of every epoch
+    order: str = "random"           # random: every epoch a seeded permutation of the whole dataset; shards: the
+                                    # first pass walks the shards in order, a window at a time (stream.py)
+    window_shards: int = 4          # --order shards: shards whose samples are shuffled together
+    follow: bool = False            # --order shards on a hidden dataset eyas-extract --follow still writes
+    poll_seconds: float = 5.0       # --follow: seconds between looks at the hidden manifest
+    consume: bool = False           # --order shards: delete each shard after its last use (stream.Consumption)
     parallel: str = "ddp"           # under torchrun: ddp or fsdp (FSDP2); ignored in one process
     precision: str = "auto"         # auto: bf16 autocast on GPU, fp32 on CPU; or fp32 / bf16
     ckpt_every: int = 200           # optimiser steps between checkpoints (and one at the end)

@@ -22,10 +22,10 @@ from eyas_common.hidden import HiddenShards
 from eyas_train.vocab import count_tokens
 
 
-def token_counts(shards: HiddenShards, vocab_size: int) -> torch.Tensor:
-    """Loss-masked token counts over the whole dataset, one shard at a time."""
+def token_counts(shards: HiddenShards, vocab_size: int, n_shards: int | None = None) -> torch.Tensor:
+    """Loss-masked token counts over the whole dataset (its first `n_shards` shards), one shard at a time."""
     total = torch.zeros(vocab_size, dtype=torch.long)
-    for ids, mask in shards.token_columns():
+    for ids, mask in shards.token_columns(n_shards):
         total += count_tokens(ids, mask, vocab_size)
     return total
 
@@ -95,15 +95,22 @@ def per_sample(x: torch.Tensor, spans: torch.Tensor) -> list[torch.Tensor]:
     return [x[r, start:start + n] for r, start, n in spans.tolist()]
 
 
-def prefetch(shards: HiddenShards, plan: Iterator[list[int]], max_len: int,
+def prefetch(shards: HiddenShards, plan: Iterator[list[int] | None], max_len: int,
              packed: bool) -> Iterator[dict[str, torch.Tensor]]:
-    """Collated batches for the planned sample lists, the next one read in a background thread."""
+    """Collated batches for the planned sample lists, the next one read in a background thread. A None in
+    the plan says that the plan may now wait (for shards still being written): the batch read ahead is
+    handed out first."""
     def load(idx: list[int]) -> dict[str, torch.Tensor]:
         return collate([shards.read(shards.samples[i], max_len) for i in idx], packed)
 
     with ThreadPoolExecutor(max_workers=1) as pool:
         pending = None
         for idx in plan:
+            if idx is None:
+                if pending is not None:
+                    yield pending.result()
+                pending = None
+                continue
             fut = pool.submit(load, idx)
             if pending is not None:
                 yield pending.result()

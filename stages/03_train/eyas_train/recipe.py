@@ -68,10 +68,11 @@ def split_by_sample(sample_ids: list[int], n_val: int, seed: int) -> tuple[list[
 LR_REF, WIDTH_REF, TOKENS_REF = 3e-3, 128, 256
 
 
-def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int) -> Recipe:
+def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int, n: int | None = None) -> Recipe:
     """The recipe for training on samples of these kept `lengths` (the training slice) with `cfg`
-    (a TrainConfig: None means "from the rule")."""
-    n = len(lengths)
+    (a TrainConfig: None means "from the rule"); `n`: the training samples when `lengths` are only the
+    first of them (--order shards), else len(lengths)."""
+    n = len(lengths) if n is None else n
     per_sample = sum(lengths) / max(1, n)
     batch = cfg.batch_size or _batch(n, per_sample, cfg)
     batch = world * math.ceil(batch / world)

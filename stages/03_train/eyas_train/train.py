@@ -5,6 +5,8 @@ drafts/NAME/ and its files are described in eyas_common.drafts, the format's own
 
 from __future__ import annotations
 
+import dataclasses
+import itertools
 import random
 import sys
 import time
@@ -19,10 +21,11 @@ from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import read_text_config
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, atomic_output, check_target, finalize,
-                                  input_ref, iter_jsonl, new_manifest, open_input, open_output, write_jsonl_atomic)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, atomic_output, await_start,
+                                  check_target, finalize, input_ref, iter_jsonl, new_manifest, open_input, open_output,
+                                  write_jsonl_atomic)
 from eyas_common.drafts import BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
-from eyas_common.hidden import HiddenShards
+from eyas_common.hidden import HiddenShards, consume, shard_name
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
@@ -34,6 +37,7 @@ from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
+from eyas_train.stream import Consumption, expected_samples, first_window, stream_batches, wait_for_shards
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
@@ -127,6 +131,10 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
     trains alone. Returns the draft folder.
     """
     allow_code_change = options.pop("allow_code_change", False)
+    if options.get("follow"):
+        if options.get("order") == "random":
+            raise ValueError("--follow trains in shard order: drop --order random (or --follow)")
+        options["order"] = "shards"
     cfg = TrainConfig(hidden=hidden, model=str(model), name=name, **options)
     out = Dataset.parse(name, "drafts", data_root)
     d = parallel.init()
@@ -149,18 +157,35 @@ def _open(cfg: TrainConfig, data_root: Path | None, allow_code_change: bool):
     A complete draft is refused; a partial one resumes from its newest checkpoint, refused when that was
     made with other settings (all but MAY_CHANGE); one with no checkpoint yet starts over. Writes nothing.
     """
-    hidden_ds, hidden_m = open_input(cfg.hidden, "hidden", root=data_root)
+    if cfg.follow:
+        await_start(cfg.hidden, "hidden", root=data_root, poll_s=cfg.poll_seconds, say=say)
+    hidden_ds, hidden_m = open_input(cfg.hidden, "hidden", root=data_root, allow_partial=cfg.follow)
+    if cfg.order == "shards" and cfg.method != "eagle3":
+        raise ValueError(f"--order shards (and --follow) train EAGLE-3 drafts only for now, not --method {cfg.method}")
     fingerprint = target_fingerprint(load_tokenizer(cfg.model, cfg.trust_remote_code), cfg.model)
     check_target(hidden_ds, hidden_m, fingerprint)
     out = Dataset.parse(cfg.name, "drafts", data_root)
     found = checkpoints(out.path) if out.exists() and out.read_manifest().get("status") != "complete" else []
     ckpt = torch.load(found[-1], map_location="cpu", weights_only=False) if found else None
     manifest = open_output(out, stage="03_train", params=cfg.to_dict(), may_change=MAY_CHANGE, target=fingerprint,
-                           inputs=_lineage(hidden_ds, hidden_m), allow_code_change=allow_code_change,
+                           inputs=_resume_inputs(cfg, out, hidden_ds, hidden_m), allow_code_change=allow_code_change,
                            resume=ckpt is not None, made_with=TrainConfig.as_saved(ckpt["config"]) if ckpt else None,
                            fix=f"rerun with the same settings to resume from its checkpoint at step "
                                f"{ckpt and ckpt['step']}, or delete it with `eyas-data rm {out.ref}`")
     return hidden_ds, hidden_m, manifest, out, ckpt
+
+
+def _resume_inputs(cfg: TrainConfig, out: Dataset, hidden_ds: Dataset, hidden_m: dict[str, Any]
+                   ) -> list[dict[str, str]]:
+    """The inputs to resume against. In shard order the hidden dataset may have grown (or completed) since the
+    run began, so a partial draft begun from the same hidden dataset keeps its recorded inputs (each shard
+    is checked against the manifest's entry as it is read); `_finish` records the inputs as they end."""
+    current = _lineage(hidden_ds, hidden_m)
+    stored = out.read_manifest() if cfg.order == "shards" and out.manifest_path.exists() else {}
+    inputs = stored.get("inputs") or []
+    if stored.get("status") != "complete" and inputs[:1] and inputs[0].get("ref") == hidden_ds.ref:
+        return inputs
+    return current
 
 
 def _lineage(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> list[dict[str, str]]:
@@ -179,7 +204,7 @@ class RunState:
     recipe: Recipe
     train_idx: list[int]
     val_idx: list[int]
-    lengths: list[int]            # kept rows per sample, all samples
+    lengths: list[int]            # kept rows per sample, all samples (--follow: all taken so far)
     vocab: VocabMap
     dcfg: DraftConfig
     aux_layers: list[int]
@@ -194,6 +219,7 @@ class RunState:
     best: dict[str, Any] = field(default_factory=lambda: {"step": None, "score": None, "stale": 0, "val": None})
     last: dict[str, Any] | None = None  # the newest training log record
     method: Any = None            # another draft method's hooks (dflash_train.DFlashMethod); None: EAGLE-3
+    consumption: Consumption | None = None  # --consume: the shards used for the last time (stream.py)
 
     @property
     def trainable(self) -> list[torch.nn.Parameter]:
@@ -219,6 +245,11 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
     parallel.barrier(d)
     _train(s)
     _finish(s, t_start)
+    if s.consumption and d.main:  # every shard the run used, validation shards too, is past its last use now
+        c = s.consumption
+        one_pass = s.recipe.total_steps <= s.recipe.steps_per_epoch
+        used = set(range(c.dealt)) | set(c.last_use) | c.keep if one_pass else set(range(len(s.shards.files)))
+        _consume(s, sorted(used - c.done))
     parallel.barrier(d)
     return out.path
 
@@ -234,32 +265,64 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
     target = read_text_config(cfg.model)
     hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
     vocab_size = int(params.get("vocab_size") or target["vocab_size"])
-    shards = HiddenShards(hidden_ds, hidden_m)  # exactly the manifest's files, sizes checked
+    # the manifest's files, sizes checked; shards this draft consumed are counted, not read
+    shards = HiddenShards(hidden_ds, hidden_m, follow=cfg.follow, consumer=out.ref)
+    if cfg.batch_size is not None and cfg.batch_size % d.world:
+        raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the {d.world} processes")
+    try:
+        train_idx, val_idx, recipe, vocab_shards = _split(cfg, d, shards, hidden_m, hidden_size, ckpt)
+    except ValueError as e:
+        raise DatasetError(f"{hidden_ds.ref}: {e}") from None
     width = shards.read(shards.samples[0], 1)["aux"].shape[-1]
     if width != len(aux_layers) * hidden_size:
         raise DatasetError(f"{hidden_ds.ref}: aux rows are {width} wide, but the manifest says {len(aux_layers)} "
                            f"layers of {hidden_size}; rerun {REMAKE['hidden']}")
-    if cfg.batch_size is not None and cfg.batch_size % d.world:
-        raise ValueError(f"--batch-size {cfg.batch_size} is not a multiple of the {d.world} processes")
     lengths = [min(x.length, cfg.max_len) for x in shards.samples]
-    try:
-        n_val = val_count(len(shards), cfg.val_samples, d.world)
-        train_idx, val_idx = split_by_sample([x.sample_id for x in shards.samples], n_val, cfg.seed)
-        recipe = resolve(cfg, lengths=[lengths[i] for i in train_idx], n_val=n_val, width=hidden_size,
-                         world=d.world)
-    except ValueError as e:
-        raise DatasetError(f"{hidden_ds.ref}: {e}") from None
 
     init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft else None
-    vocab, dcfg = _vocab_and_config(cfg, d, ckpt, init, shards, target, hidden_size, vocab_size, aux_layers)
+    vocab, dcfg = _vocab_and_config(cfg, d, ckpt, init, shards, vocab_shards, target, hidden_size, vocab_size,
+                                    aux_layers)
     draft, lm_head = _new_draft(cfg, dcfg, vocab)
     if init is not None:
         load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
     teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
     module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
     opt, sched = optimiser(cfg, module, recipe)
-    return resumed(RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers,
-                            target, teacher, module, opt, sched), ckpt)
+    s = RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers, target, teacher,
+                 module, opt, sched)
+    if cfg.consume:
+        s.consumption = Consumption(shards, val_idx)
+    return resumed(s, ckpt)
+
+
+def _split(cfg: TrainConfig, d: parallel.Dist, shards: HiddenShards, hidden_m: dict[str, Any], hidden_size: int,
+           ckpt: dict[str, Any] | None) -> tuple[list[int], list[int], Recipe, int | None]:
+    """(training indices, validation indices, recipe, shards the vocabulary is counted over: None for all).
+    Random order: from the whole dataset. Shard order: from the first window alone (stream.py), the
+    training indices those of the first window (the plan takes the rest as they come)."""
+    if cfg.order == "random":
+        lengths = [min(x.length, cfg.max_len) for x in shards.samples]
+        n_val = val_count(len(shards), cfg.val_samples, d.world)
+        train_idx, val_idx = split_by_sample([x.sample_id for x in shards.samples], n_val, cfg.seed)
+        return train_idx, val_idx, resolve(cfg, lengths=[lengths[i] for i in train_idx], n_val=n_val,
+                                           width=hidden_size, world=d.world), None
+    expected = (ckpt or {}).get("expected_samples") or expected_samples(shards.ds, hidden_m)
+    n_val = val_count(expected, cfg.val_samples, d.world)
+    n_shards = wait_for_shards(shards, cfg.window_shards, poll_s=cfg.poll_seconds, say=say if d.main else _quiet)
+    window = first_window(shards, n_shards, n_val)
+    if ckpt and "val_ids" in ckpt:  # a resumed run: the window's shards may be consumed (counted, not read)
+        val_ids = set(ckpt["val_ids"])
+        val_idx = [i for i in window if shards.samples[i].sample_id in val_ids]
+        return [i for i in window if i not in set(val_idx)], val_idx, Recipe(**ckpt["recipe"]), n_shards
+    local, val_local = split_by_sample([shards.samples[i].sample_id for i in window], n_val, cfg.seed)
+    train_idx, val_idx = [window[i] for i in local], [window[i] for i in val_local]
+    recipe = resolve(cfg, lengths=[min(shards.samples[i].length, cfg.max_len) for i in train_idx], n_val=n_val,
+                     width=hidden_size, world=d.world, n=expected - n_val)
+    return train_idx, val_idx, recipe, n_shards
+
+
+def _quiet(_: str) -> None:
+    pass
 
 
 def optimiser(cfg: TrainConfig, module: torch.nn.Module, recipe: Recipe) -> tuple[torch.optim.Optimizer, Any]:
@@ -281,19 +344,20 @@ def resumed(s: RunState, ckpt: dict[str, Any] | None) -> RunState:
 
 
 def _vocab_and_config(cfg: TrainConfig, d: parallel.Dist, ckpt: dict[str, Any] | None, init: Any,
-                      shards: HiddenShards, target: dict[str, Any], hidden_size: int, vocab_size: int,
-                      aux_layers: list[int]) -> tuple[VocabMap, DraftConfig]:
+                      shards: HiddenShards, vocab_shards: int | None, target: dict[str, Any], hidden_size: int,
+                      vocab_size: int, aux_layers: list[int]) -> tuple[VocabMap, DraftConfig]:
     """The draft vocabulary (a checkpoint's, --init-draft's, or the data's most frequent tokens) and shape."""
     if init is not None:
         check_fits(init, vocab_size=vocab_size, hidden_size=hidden_size, aux_layers=aux_layers)
     if ckpt is not None:
         vocab = vocab_from(ckpt["vocab"])
     elif init is not None:
-        vocab, report = init_vocab(init, token_counts(shards, vocab_size), cfg.init_vocab, cfg.draft_vocab)
+        vocab, report = init_vocab(init, token_counts(shards, vocab_size, vocab_shards), cfg.init_vocab,
+                                   cfg.draft_vocab)
         if d.main:
             say(f"--init-draft {init.source} ({init.layout} layout): {report}")
     else:
-        vocab = build_vocab(token_counts(shards, vocab_size), cfg.draft_vocab)
+        vocab = build_vocab(token_counts(shards, vocab_size, vocab_shards), cfg.draft_vocab)
     if init is not None:
         return vocab, run_config(init, vocab)
     return vocab, draft_config(target, hidden_size, vocab_size, len(aux_layers), vocab.d2t.numel(),
@@ -316,13 +380,62 @@ def _new_draft(cfg: TrainConfig, dcfg: DraftConfig, vocab: VocabMap) -> tuple[Ea
     return draft, lm_head
 
 
-def _plan(s: RunState) -> Iterator[list[int]]:
-    """This rank's samples for every remaining step: epoch e's seeded batches of the training slice."""
-    r = s.recipe
-    for step in range(s.start, r.total_steps):
-        epoch, b = divmod(step, r.steps_per_epoch)
-        batch = global_batches(r.train_samples, r.batch_size, s.cfg.seed, epoch)[b]
-        yield rank_share([s.train_idx[i] for i in batch], s.lengths, s.d.rank, s.d.world)
+def _plan(s: RunState) -> Iterator[list[int] | None]:
+    """This rank's samples for every remaining step (None: a wait for shards follows, see stream.py)."""
+    if s.cfg.order == "random":
+        r = s.recipe
+        for step in range(s.start, r.total_steps):
+            epoch, b = divmod(step, r.steps_per_epoch)
+            batch = global_batches(r.train_samples, r.batch_size, s.cfg.seed, epoch)[b]
+            yield rank_share([s.train_idx[i] for i in batch], s.lengths, s.d.rank, s.d.world)
+        return
+    step = 0
+    for batch in _shard_order(s):
+        if batch is None:  # a wait for shards follows
+            yield None
+            continue
+        if step >= s.start:
+            s.lengths += [min(x.length, s.cfg.max_len) for x in s.shards.samples[len(s.lengths):]]
+            yield rank_share(batch, s.lengths, s.d.rank, s.d.world)
+        step += 1
+
+
+def _shard_order(s: RunState) -> Iterator[list[int] | None]:
+    """Every step's global batch in shard order: the streamed first pass (stream.py), then seeded epochs
+    over the whole dataset until the recipe's steps are done."""
+    r, cfg, val = s.recipe, s.cfg, set(s.val_idx)
+
+    def wait(upto: int) -> int:
+        return wait_for_shards(s.shards, upto, poll_s=cfg.poll_seconds, say=say if s.d.main else _quiet)
+
+    step = 0
+    for item in stream_batches(s.shards, window=cfg.window_shards, val=val, batch_size=r.batch_size,
+                               seed=cfg.seed, wait=wait):
+        if item is None:
+            yield None
+            continue
+        batch, dealt = item
+        if s.consumption:
+            s.consumption.dealt_batch(step, batch, dealt)
+        yield batch
+        step += 1
+        if step == r.total_steps:
+            return
+    if s.consumption:  # the data is complete: what no batch took is past its last use too
+        s.consumption.dealt = len(s.shards.files)
+    if r.total_steps <= r.steps_per_epoch:  # a one-pass recipe: the run ends with the data
+        return
+    s.train_idx = [i for i in range(len(s.shards)) if i not in val]
+    for epoch in itertools.count(1):
+        batches = global_batches(len(s.train_idx), r.batch_size, cfg.seed, epoch)
+        if not batches:
+            raise DatasetError(f"{s.shards.ds.ref}: {len(s.train_idx)} training samples are fewer than one batch "
+                               f"of {r.batch_size}: lower --batch-size (or --val-samples)")
+        for batch in batches:
+            yield [s.train_idx[i] for i in batch]
+            step += 1
+            if step == r.total_steps:
+                return
 
 
 def _forward(s: RunState, batch: dict[str, torch.Tensor], leads: list[torch.Tensor] | None = None,
@@ -348,7 +461,7 @@ def _train(s: RunState) -> None:
     log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
     bar = tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
     s.module.train()
-    t_loop = time.monotonic()
+    t_loop, stop = time.monotonic(), False
     for batch in prefetch(s.shards, _plan(s), cfg.max_len, cfg.batching == "packed"):
         tokens += int(batch["length"].sum())
         loss, stats = s.method.forward(s, batch)[:2] if s.method else _forward(s, batch)
@@ -372,6 +485,10 @@ def _train(s: RunState) -> None:
             _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
         if stop:
             break
+    if not stop and s.step < total:  # shard order, one pass: the data ran out before the recipe's steps
+        s.recipe = dataclasses.replace(s.recipe, total_steps=s.step)
+        _maybe_validate(s, log, bar)
+        _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
     bar.close()
     s.train_s += time.monotonic() - t_loop
     if log is not None:
@@ -464,7 +581,10 @@ def _finish(s: RunState, t_start: float) -> None:
              "predicted_acceptance": val and dict(zip(map(str, range(1, len(val["val_predicted"]) + 1)),
                                                       val["val_predicted"]))}
     log_records = sum(1 for _ in iter_jsonl(s.out.path / LOG_FILE)) if (s.out.path / LOG_FILE).exists() else 0
-    finalize(s.out, s.out.read_manifest(), stats=stats, records={LOG_FILE: log_records})
+    manifest = s.out.read_manifest()
+    if s.cfg.order == "shards":  # the hidden dataset as it is now (it may have grown since the run began)
+        manifest["inputs"] = _lineage(s.shards.ds, s.shards.manifest)
+    finalize(s.out, manifest, stats=stats, records={LOG_FILE: log_records})
     say(f"wrote {s.out.path}: {s.train_s:.0f}s of training over all sessions, "
         f"{time.monotonic() - t_start:.0f}s in this one")
     if val:
@@ -532,8 +652,21 @@ def _checkpoint(s: RunState, *, train_s: float) -> None:
             "step": s.step, "epoch": epoch, "batch_in_epoch": batch, "train_s": train_s, "config": s.cfg.to_dict(),
             "model": model_sd, "optim": opt_sd, "sched": s.sched.state_dict(), "rng": rng_state(), "best": s.best,
             "vocab": {"d2t": v.d2t, "t2d": v.t2d, "coverage": v.coverage, "distinct": v.distinct},
+            "expected_samples": s.recipe.train_samples + s.recipe.val_samples, "recipe": s.recipe.to_dict(),
+            "val_ids": [s.shards.samples[i].sample_id for i in s.val_idx],
         }, s.cfg.keep_ckpts)
+        if s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch:
+            _consume(s, s.consumption.due(s.step))
     parallel.barrier(s.d)
+
+
+def _consume(s: RunState, shards: list[int]) -> None:
+    """Delete shards used for the last time (their last step is in a checkpoint), marked in the hidden manifest."""
+    if shards:
+        consume(s.shards.ds, [shard_name(j) for j in shards], by=s.out.ref, step=s.step)
+        s.consumption.done.update(shards)
+        say(f"consumed {len(shards)} shard(s) of {s.shards.ds.ref} (--consume): {shard_name(shards[0])}"
+            + (f" .. {shard_name(shards[-1])}" if len(shards) > 1 else ""))
 
 
 def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None,

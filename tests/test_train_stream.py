@@ -1,0 +1,228 @@
+"""Streaming, step 2 (issue 20): `eyas-train run --follow` on a hidden dataset still being written.
+
+The test lists the shards of a finished extraction one by one into a second hidden dataset, as
+`eyas-extract run --follow` lists them (partial manifest, writer lock held, each final shard's entry), and
+checks that the followed training, SIGKILLed mid-run and rerun, gives the draft an offline `--order shards`
+training over the finished dataset gives: the same log, step by step, and the same weights."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+from click.testing import CliRunner
+
+import torch
+from safetensors.torch import load_file
+
+from eyas_common.chat import load_tokenizer
+from eyas_common.contract import Dataset, sha256_file
+from eyas_common.lock import WriterLock
+from eyas_testing.datasets import build_datasets
+from eyas_testing.fixture import write_prompts_jsonl
+from eyas_testing.peak import PeakBytes
+from eyas_testing.stub import start_stub
+from eyas_train.cli import main as train_cli
+from helpers import make, rendering_answer
+
+# 24 samples in 8 shards of 3; windows of 2 shards; 2 held out from the first window; batch 4: the first pass
+# streams 5 batches of the 22 training samples, the second pass is a seeded epoch over all of them.
+ARGS = ["--draft-vocab", "512", "--ttt-steps", "3", "--batch-size", "4", "--lr", "3e-3", "--log-every", "1",
+        "--val-samples", "2", "--eval-every", "5", "--epochs", "2", "--window-shards", "2", "--ckpt-every", "1"]
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def data(fixture_target, tmp_path_factory) -> tuple[Path, Dataset]:
+    root = tmp_path_factory.mktemp("train_stream")
+    return root, build_datasets(root, fixture_target, 24, seed=5, per_shard=3)
+
+
+class LiveHidden:
+    """A hidden dataset listed the way `eyas-extract run --follow` lists it: a partial manifest with no shard
+    count, the extract worker's lock held, each shard copied in and then listed as final."""
+
+    def __init__(self, root: Path, source: Dataset, name: str):
+        self.source, self.final = source, source.read_manifest()
+        self.ds = Dataset.parse(name, "hidden", root)
+        self.ds.path.mkdir(parents=True)
+        self.manifest = {**self.final, "status": "partial", "files": [], "stats": {},
+                         "params": {**self.final["params"], "num_shards": 0}}
+        self.ds.write_manifest(self.manifest)
+        self.lock: WriterLock | None = None
+
+    def start_writer(self) -> None:
+        self.lock = WriterLock(self.ds, stage="02_extract", part="worker-0-of-1").acquire()
+
+    def add(self, *names: str) -> None:
+        entries = {f["name"]: f for f in self.final["files"]}
+        for name in names:
+            shutil.copy(self.source.path / name, self.ds.path / name)
+            self.manifest["files"].append(entries[name])
+        self.ds.write_manifest(self.manifest)
+
+    def complete(self) -> None:
+        for f in self.final["files"]:
+            if not (self.ds.path / f["name"]).exists():
+                (self.ds.path / f["name"]).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(self.source.path / f["name"], self.ds.path / f["name"])
+        self.ds.write_manifest(self.final)
+        self.lock.release()
+
+
+def shard_names(hidden: Dataset) -> list[str]:
+    return sorted(f["name"] for f in hidden.read_manifest()["files"] if f["name"].startswith("shard-"))
+
+
+def weights(root: Path, name: str) -> dict[str, torch.Tensor]:
+    return load_file(str(root / "drafts" / name / "model.safetensors"))
+
+
+def train_log(root: Path, name: str) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (root / "drafts" / name / "train_log.jsonl").read_text().splitlines()]
+
+
+def follow_cli(root: Path, target: Path, hidden: str, name: str, log: Path, *args: str) -> subprocess.Popen:
+    env = {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "eyas_train.cli", "run", "--hidden", hidden, "--model", str(target), "--name", name,
+           "--follow", "--poll-seconds", "0.05", *(args or ARGS)]
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+def wait_for(what: str, done, proc: subprocess.Popen, log: Path, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while not done():
+        assert proc.poll() is None, f"train ended (exit {proc.returncode}) before {what}:\n{log.read_text()}"
+        assert time.monotonic() < deadline, f"no {what} after {timeout} s:\n{log.read_text()}"
+        time.sleep(0.05)
+
+
+@pytest.mark.slow  # training processes killed and rerun: not in `make test-fast`
+def test_followed_training_killed_and_rerun_equals_offline_shard_order(data, fixture_target, monkeypatch, tmp_path):
+    root, hidden = data
+    monkeypatch.setenv("EYAS_DATA", str(root))
+    r = CliRunner().invoke(train_cli, ["run", "--hidden", hidden.ref, "--model", str(fixture_target), "--name", "offline",
+                                       "--order", "shards", *ARGS])
+    assert r.exit_code == 0, r.output
+    names = shard_names(hidden)
+    assert len(names) == 8
+
+    live = LiveHidden(root, hidden, "live")
+    live.add(names[0])
+    # nobody writes it: the follow stops at once, in one line that says what to run
+    r = CliRunner().invoke(train_cli, ["run", "--hidden", "live", "--model", str(fixture_target), "--name", "early",
+                                       "--follow", "--poll-seconds", "0.05", *ARGS])
+    assert r.exit_code != 0 and "hidden/live stopped partial (no eyas-extract run is writing it) after 1 shards" \
+        in r.output, r.output
+
+    live.start_writer()
+    log = tmp_path / "follow.log"
+    proc = follow_cli(root, fixture_target, "live", "streamed", log)
+    ckpts = root / "drafts" / "streamed" / "checkpoints"
+    wait_for("a waiting line", lambda: "waiting for hidden/live: 1 shards final" in log.read_text(), proc, log)
+    assert not ckpts.exists() or not list(ckpts.glob("step-*.pt")), "trained before its first window was final"
+    live.add(*names[1:4])  # windows 0 and 1: the first pass's first batches, then a wait for shard 5
+    wait_for("a checkpoint at step 2", lambda: (ckpts / "step-00000002.pt").exists(), proc, log)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    assert Dataset.parse("streamed", "drafts", root).read_manifest()["status"] == "partial"
+
+    live.add(*names[4:6])
+    live.complete()
+    rerun = follow_cli(root, fixture_target, "live", "streamed", log)
+    assert rerun.wait(timeout=600) == 0, log.read_text()
+    assert "resuming at step" in log.read_text()
+
+    a, b = train_log(root, "offline"), train_log(root, "streamed")
+    assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 10
+    for x, y in zip(a, b):
+        for k in ("loss", "val_loss"):
+            if k in x:
+                assert abs(x[k] - y[k]) < 1e-4, (x, y)
+    a, b = weights(root, "offline"), weights(root, "streamed")
+    assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=1e-5, rtol=0) for k in a)
+    m = Dataset.parse("streamed", "drafts", root).read_manifest()
+    assert m["status"] == "complete" and m["params"]["config"]["order"] == "shards"
+    assert m["inputs"][0]["ref"] == "hidden/live"
+    assert m["inputs"][0]["manifest_sha256"] == sha256_file(live.ds.manifest_path)  # as it ended: complete
+
+
+@pytest.mark.slow
+def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill(data, fixture_target, monkeypatch,
+                                                                                  tmp_path):
+    root, hidden = data
+    monkeypatch.setenv("EYAS_DATA", str(root))
+    one_pass = [a if a != "2" or ARGS[i - 1] != "--epochs" else "1" for i, a in enumerate(ARGS)]
+    r = CliRunner().invoke(train_cli, ["run", "--hidden", hidden.ref, "--model", str(fixture_target), "--name",
+                                       "offline1", "--order", "shards", *one_pass])
+    assert r.exit_code == 0, r.output
+    names = shard_names(hidden)
+    live = LiveHidden(root, hidden, "eaten")
+    live.start_writer()
+    live.add(*names[:4])
+    log = tmp_path / "consume.log"
+    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *one_pass)
+    ckpts = root / "drafts" / "eater" / "checkpoints"
+    wait_for("a checkpoint at step 2", lambda: (ckpts / "step-00000002.pt").exists(), proc, log)
+    wait_for("a consumed shard", lambda: any(e.get("consumed") for e in live.ds.read_manifest()["files"]), proc, log)
+    os.killpg(proc.pid, signal.SIGKILL)
+    proc.wait()
+    gone = [e["name"] for e in live.ds.read_manifest()["files"] if e.get("consumed")]
+    assert gone and all(not (live.ds.path / n).exists() for n in gone), gone
+    assert all(e.get("consumed", {}).get("by") in (None, "drafts/eater") for e in live.ds.read_manifest()["files"])
+
+    live.add(*names[4:])
+    live.complete()  # extract's last write keeps the consumed marks
+    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *one_pass)
+    assert proc.wait(timeout=600) == 0, log.read_text()
+
+    a, b = train_log(root, "offline1"), train_log(root, "eater")
+    assert [x["step"] for x in a] == [x["step"] for x in b]
+    assert all(abs(x[k] - y[k]) < 1e-4 for x, y in zip(a, b) for k in ("loss", "val_loss") if k in x)
+    wa, wb = weights(root, "offline1"), weights(root, "eater")
+    assert all(torch.allclose(wa[k].float(), wb[k].float(), atol=1e-5, rtol=0) for k in wa)
+    m = live.ds.read_manifest()
+    assert m["status"] == "complete"
+    assert {e["name"] for e in m["files"] if e.get("consumed")} == set(names)
+    assert not list(live.ds.path.glob("shard-*"))
+    # another draft may not read it: one line naming the consumer
+    r = CliRunner().invoke(train_cli, ["run", "--hidden", "eaten", "--model", str(fixture_target), "--name", "other",
+                                       "--order", "shards", *one_pass])
+    assert r.exit_code != 0 and "hidden/eaten was consumed by drafts/eater" in r.output, r.output
+
+
+@pytest.mark.slow
+def test_make_pipeline_streams_synth_extract_and_train_at_once_under_a_disk_budget(fixture_target, tmp_path):
+    root = tmp_path / "data"
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 48, seed=3)
+    budget = 1_500_000  # about 7 of the 16 shards
+    # a slow server (one answer at a time, 0.25 s each), so that extract and train start before synth ends
+    with PeakBytes(root / "hidden" / "pipe") as peak, \
+            start_stub(answer=rendering_answer(load_tokenizer(fixture_target)), latency_s=0.25) as stub:
+        r = make("pipeline", N="48", PROMPTS=str(prompts), SERVER=stub.url, MODEL=str(fixture_target), NAME="pipe",
+                 EYAS_DATA=str(root), CONCURRENCY="1", MAX_TOKENS="40", TEMPERATURE="0", SYNTH_ARGS="--seed 0",
+                 DISK_BUDGET=str(budget), EXTRACT_ARGS="--shard-samples 3 --poll-seconds 0.05",
+                 TRAIN_ARGS="--draft-vocab 512 --ttt-steps 2 --batch-size 4 --epochs 1 --val-samples 2 "
+                            "--window-shards 2 --poll-seconds 0.05 --ckpt-every 1")
+    out = r.stdout + r.stderr
+    assert r.returncode == 0, out[-5000:]
+    for ref in ("synth/pipe", "hidden/pipe", "drafts/pipe"):
+        kind, name = ref.split("/")
+        assert Dataset.parse(name, kind, root).read_manifest()["status"] == "complete", ref
+    # each follower waited for the stage before it: the three ran at once
+    assert "waiting for synth/pipe" in out and "waiting for hidden/pipe" in out, out[-5000:]
+    m = Dataset.parse("pipe", "drafts", root).read_manifest()
+    assert [i["ref"] for i in m["inputs"]] == ["hidden/pipe", "synth/pipe"]
+    hm = Dataset.parse("pipe", "hidden", root).read_manifest()
+    total = sum(e["bytes"] for e in hm["files"] if e["name"].startswith("shard-"))
+    assert all(e.get("consumed", {}).get("by") == "drafts/pipe" for e in hm["files"] if e["name"].startswith("shard-"))
+    assert total > budget and 0 < peak.peak <= budget, (peak.peak, budget, total)
