@@ -73,7 +73,7 @@ def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int,
     (a TrainConfig: None means "from the rule"); `n`: the training samples when `lengths` are only the
     first of them (--order shards), else len(lengths)."""
     n = len(lengths) if n is None else n
-    per_sample = sum(lengths) / max(1, n)
+    per_sample = sum(lengths) / max(1, len(lengths))  # with `n` given: the first window's mean
     batch = cfg.batch_size or _batch(n, per_sample, cfg)
     batch = world * math.ceil(batch / world)
     per_epoch = n // batch
