@@ -232,7 +232,7 @@ def test_pipeline_streams_across_two_ssh_hosts_under_a_disk_budget(repo, engines
              MAX_TOKENS="40", TEMPERATURE="0", CONCURRENCY="1", SYNTH_ARGS="--seed 0", DISK_BUDGET="2000000",
              EXTRACT_ARGS="--shard-samples 3 --poll-seconds 0.2",
              TRAIN_ARGS="--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --val-samples 2 "
-                        "--window-shards 2 --ckpt-every 1 --poll-seconds 0.2")
+                        "--window-shards 2 --ckpt-every 1 --poll-seconds 0.2 --patience 0")
     for ref, stage in (("synth/p1", "synth"), ("hidden/p1", "extract"), ("drafts/p1", "train")):
         m = manifest(data, ref)
         assert m["status"] == "complete" and m["producer"]["image"].startswith(f"eyas-{stage}:"), ref
