@@ -24,6 +24,7 @@ from eyas_train.eval import evaluate
 from eyas_train.train import export_checkpoint
 
 from eyas_testing.datasets import build_datasets
+from eyas_testing.servers import free_port
 
 BIN = Path(sys.executable).parent
 # 24 samples, batch 4: 6 steps per epoch (no validation slice: these tests compare runs step by step).
@@ -134,6 +135,46 @@ def test_torchrun_two_processes_equal_one(data, fixture_target, mode):
     assert_close(weights(root, "single"), weights(root, f"two_{mode}"), atol=2e-5)
     one = Dataset.parse("single", "drafts", root).read_manifest()["stats"]["final"]
     assert m["stats"]["final"]["step_acc"] == pytest.approx(one["step_acc"], abs=0.02)
+
+
+def torchrun_nodes(root: Path, args: list[str], run_id: str, port: int, nodes: int = 2) -> list[subprocess.Popen]:
+    """NODES torchrun agents of one process each, joined by the c10d rendezvous on 127.0.0.1:PORT, as
+    `make train HOSTS=...` starts one per host."""
+    line = [str(BIN / "torchrun"), "--nnodes", str(nodes), "--nproc-per-node", "1", "--rdzv-backend", "c10d",
+            "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", run_id, "-m", "eyas_train", *args]
+    return [subprocess.Popen(line, env=env_for(root), stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                             start_new_session=True) for _ in range(nodes)]
+
+
+@pytest.mark.slow  # torchrun nodes killed and rerun
+def test_a_node_killed_mid_run_stops_the_other_in_one_line_and_the_rerun_resumes(data, fixture_target):
+    import psutil
+
+    root, hidden = data
+    args = cmd(hidden, fixture_target, "two_nodes", "--epochs", "40", "--ckpt-every", "6")
+    first = torchrun_nodes(root, args, "first", free_port())
+    ckpt = root / "drafts/two_nodes/checkpoints/step-00000012.pt"
+    deadline = time.monotonic() + 300
+    while not ckpt.exists():
+        assert all(p.poll() is None for p in first) and time.monotonic() < deadline, "no checkpoint at step 12"
+        time.sleep(0.05)
+    killed = psutil.Process(first[1].pid)
+    for p in [killed, *killed.children(recursive=True)]:  # the host is gone: its agent and its worker
+        p.kill()
+    out = first[0].communicate(timeout=120)[0]
+    first[1].wait()
+    assert first[0].returncode != 0
+    said = [line for line in out.splitlines() if "another process of this run is gone" in line]
+    assert len(said) == 1 and "Traceback" not in out.split(said[0])[0], out[-3000:]
+    assert "rerun the same command on every host to resume" in said[0] and "keeps step-" in said[0], said
+    assert Dataset.parse("two_nodes", "drafts", root).read_manifest()["status"] == "partial"
+
+    rerun = torchrun_nodes(root, args, "second", free_port())
+    outs = [p.communicate(timeout=600)[0] for p in rerun]
+    assert [p.returncode for p in rerun] == [0, 0], outs[0][-3000:] + outs[1][-3000:]
+    assert "resuming at step" in "".join(outs)
+    m = Dataset.parse("two_nodes", "drafts", root).read_manifest()
+    assert m["status"] == "complete" and m["params"]["world"] == 2
 
 
 @pytest.mark.slow  # training killed and resumed: not in `make test-fast`

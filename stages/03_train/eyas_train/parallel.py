@@ -48,6 +48,17 @@ def shutdown(d: Dist) -> None:
         dist.destroy_process_group()
 
 
+# What gloo and NCCL say when the process on the other end of a collective is gone (its host killed,
+# its process crashed): torch raises these as plain RuntimeErrors or its DistBackendError.
+PEER_GONE = ("Connection closed by peer", "Connection reset by peer", "Broken pipe", "Socket Timeout",
+             "NCCL communicator was aborted", "remote process exited")
+
+
+def peer_lost(e: BaseException, d: Dist) -> bool:
+    """True when E is a collective failing because another rank stopped, not a bug of this one."""
+    return d.distributed and isinstance(e, RuntimeError) and any(m in str(e) for m in PEER_GONE)
+
+
 def all_sum(x: torch.Tensor, d: Dist) -> torch.Tensor:
     if d.distributed:
         dist.all_reduce(x, op=dist.ReduceOp.SUM)

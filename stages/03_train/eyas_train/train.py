@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import random
+import re
 import sys
 import time
 from collections.abc import Iterator
@@ -147,6 +148,15 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
         say(f"interrupted: {out.ref} keeps {kept[-1].name if kept else 'no checkpoint yet'}; "
             f"rerun the same command to resume")
         raise SystemExit(INTERRUPTED) from None
+    except RuntimeError as e:
+        if not parallel.peer_lost(e, d):
+            raise
+        kept = checkpoints(out.path)
+        why = re.sub(r"^\[[^\]]*\]\s*", "", str(e)).split(". ")[0]  # gloo's "[file.cc:553] Connection closed..."
+        say(f"rank {d.rank} of {d.world} stopped: another process of this run is gone ({why[:120]}); "
+            f"its host was stopped or crashed: look at its log. {out.ref} keeps "
+            f"{kept[-1].name if kept else 'no checkpoint yet'}; rerun the same command on every host to resume")
+        raise SystemExit(1) from None
     finally:
         parallel.shutdown(d)
 
