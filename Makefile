@@ -377,8 +377,10 @@ bench-extract: install ## extraction tokens/s vs a bare forward, bytes/token vs 
 bench-train: install ## useful tokens/s of a TTT step, packed vs padded and vs a bare step, fixture and SmolLM2 shapes
 	$(PY) bench/train.py
 
+STREAM_ARGS ?=
 bench-stream: install ## extract+train one after the other vs at once under a disk budget: peak disk, wall, acceptance
-	$(PY) bench/stream.py
+##   (STREAM_ARGS="--target smollm2 --samples 96": the real target)
+	$(PY) bench/stream.py $(STREAM_ARGS)
 
 QUALITY_ARGS ?=
 bench-quality: install vllm ## draft acceptance in vLLM, defaults vs best hand recipe (hours on CPU;

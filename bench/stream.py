@@ -1,6 +1,7 @@
 """Streaming bench: extract and train one after the other, against both at once under a disk budget.
 
-On the fixture target, from one synth dataset of its greedy answers (made here, cached), side by side:
+On the fixture target (or the real SmolLM2-135M-Instruct, `--target smollm2`, answering real questions
+from the `real` prompt sets), from one synth dataset of its greedy answers (made here, cached), side by side:
   sequential   eyas-extract run, then eyas-train run (one pass, random order): every shard on disk at once
   streamed     eyas-extract run --follow --disk-budget B and eyas-train run --follow --consume (one pass, shard
                order) started together; a thread samples the bytes of hidden shards on disk every 5 ms
@@ -9,7 +10,7 @@ hidden shards on disk over the full dataset's bytes (goal <= 0.15), and the acce
 tokens of the draft on held-out prompts (`eyas-train eval`, which counts as vLLM does; goal: within 0.05).
 The budget is --budget times the full dataset's bytes (as the sequential run measured them).
 
-    .venv/bin/python bench/stream.py [--samples 400] [--budget 0.13] [--prompts 40]
+    .venv/bin/python bench/stream.py [--target fixture|smollm2] [--samples 400] [--budget 0.13] [--prompts 40]
 """
 
 from __future__ import annotations
@@ -25,16 +26,20 @@ from pathlib import Path
 
 from eyas_common.contract import Dataset
 from eyas_common.paths import cache_root
+from eyas_common.realprompts import real_prompts, write_real_prompts
 from eyas_testing.datasets import generate_samples, write_synth
 from eyas_testing.fixture import build_fixture, write_prompts_jsonl
+from eyas_testing.fixture_smollm2 import build_smollm2_fixture
 from eyas_testing.peak import PeakBytes
 from eyas_train.eval import evaluate
 
 BIN = Path(sys.executable).parent
 EXTRACT = ["--shard-samples", "4"]
 # one pass (--epochs 1: the recipe at scale), a window of 4 shards, validation from it
-TRAIN = ["--epochs", "1", "--batch-size", "4", "--draft-vocab", "2048", "--val-samples", "8", "--window-shards", "4",
-         "--ckpt-every", "2", "--log-every", "25"]
+TRAIN = ["--epochs", "1", "--batch-size", "4", "--val-samples", "8", "--window-shards", "4", "--ckpt-every", "2",
+         "--log-every", "25"]
+# per target: how it is built, its draft vocabulary, the longest answer generated
+TARGETS = {"fixture": (build_fixture, "2048", 256), "smollm2": (build_smollm2_fixture, "8192", 192)}
 
 
 def start(root: Path, tool: str, *args: str) -> subprocess.Popen:
@@ -56,17 +61,18 @@ def busy(root: Path, name: str) -> tuple[float, float]:
     return sum(w.get("compute_s", 0) for w in h.get("workers", [])), d["train_s"]
 
 
-def run_mode(root: Path, model: Path, name: str, *, budget: int | None) -> dict[str, float]:
+def run_mode(root: Path, model: Path, name: str, *, budget: int | None, vocab: str) -> dict[str, float]:
     common = ["--model", str(model), "--name", name]
+    train = [*TRAIN, "--draft-vocab", vocab]
     t0 = time.monotonic()
     with PeakBytes(root / "hidden" / name) as peak:
         if budget is None:
             finish(start(root, "eyas-extract", "--synth", "synth/bench", *common, *EXTRACT))
-            finish(start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *TRAIN))
+            finish(start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *train))
         else:
             ex = start(root, "eyas-extract", "--synth", "synth/bench", *common, *EXTRACT, "--follow",
                        "--poll-seconds", "0.1", "--disk-budget", str(budget))
-            tr = start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *TRAIN, "--follow", "--consume",
+            tr = start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *train, "--follow", "--consume",
                        "--poll-seconds", "0.1")
             finish(ex, tr)
     wall = time.monotonic() - t0
@@ -76,28 +82,42 @@ def run_mode(root: Path, model: Path, name: str, *, budget: int | None) -> dict[
             "full": sum(e["bytes"] for e in hm["files"] if e["name"].startswith("shard-"))}
 
 
+def cached_samples(target: str, model: Path, n: int, max_new: int) -> list[dict]:
+    """The target's greedy answers to N training prompts, generated once and cached."""
+    cached = cache_root() / "bench-stream" / (f"synth-{n}.jsonl" if target == "fixture" else f"{target}-{n}.jsonl")
+    if not cached.exists():
+        prompts = None if target == "fixture" else real_prompts("real", "train", n=n, seed=0)
+        made = generate_samples(model, n, seed=0, max_new_tokens=max_new, prompts=prompts)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        cached.write_text("".join(json.dumps(s) + "\n" for s in made))
+    return [json.loads(x) for x in cached.read_text().splitlines()]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--samples", type=int, default=400, help="synth samples (fixture greedy answers)")
+    ap.add_argument("--target", choices=sorted(TARGETS), default="fixture", help="the target (default: fixture)")
+    ap.add_argument("--samples", type=int, default=400, help="synth samples (the target's greedy answers)")
     ap.add_argument("--budget", type=float, default=0.13, help="disk budget, as a share of the full hidden bytes")
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts for the acceptance eval")
     a = ap.parse_args()
-    model = build_fixture()
+    build, vocab, max_new = TARGETS[a.target]
+    model = build()
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-stream-"))
-    cached = cache_root() / "bench-stream" / f"synth-{a.samples}.jsonl"
-    if not cached.exists():
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        cached.write_text("".join(json.dumps(s) + "\n" for s in generate_samples(model, a.samples, seed=0)))
-    write_synth(root, "bench", [json.loads(x) for x in cached.read_text().splitlines()], model)
-    prompts = write_prompts_jsonl(root / "heldout.jsonl", a.prompts, seed=1)
+    write_synth(root, "bench", cached_samples(a.target, model, a.samples, max_new), model)
+    heldout = root / "heldout.jsonl"
+    if a.target == "fixture":
+        write_prompts_jsonl(heldout, a.prompts, seed=1)
+    else:
+        write_real_prompts(heldout, "real", "heldout", n=a.prompts, seed=1)
 
-    seq = run_mode(root, model, "seq", budget=None)
-    stream = run_mode(root, model, "stream", budget=int(a.budget * seq["full"]))
-    print(f"\nfixture target, {a.samples} samples, one pass at batch 4, shards of 4 samples, budget "
+    seq = run_mode(root, model, "seq", budget=None, vocab=vocab)
+    stream = run_mode(root, model, "stream", budget=int(a.budget * seq["full"]), vocab=vocab)
+    print(f"\n{a.target} target, {a.samples} samples, one pass at batch 4, draft vocabulary {vocab}, shards of 4 "
+          f"samples, budget "
           f"{a.budget:.2f} x {seq['full'] / 1e6:.1f} MB")
     print(f"{'mode':<11}{'wall s':>8}{'extract s':>11}{'train s':>9}{'peak MB':>9}{'peak/full':>11}{'acc@3':>7}")
     for mode, r in (("sequential", seq), ("streamed", stream)):
-        acc = evaluate(draft=f"drafts/{'seq' if r is seq else 'stream'}", model=model, prompts=prompts,
+        acc = evaluate(draft=f"drafts/{'seq' if r is seq else 'stream'}", model=model, prompts=heldout,
                        spec_tokens=3, data_root=root)["acceptance_length"]
         r["acc"] = acc
         print(f"{mode:<11}{r['wall_s']:>8.1f}{r['extract_s']:>11.1f}{r['train_s']:>9.1f}{r['peak'] / 1e6:>9.2f}"

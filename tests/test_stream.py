@@ -252,6 +252,7 @@ def test_sigkill_mid_follow_then_rerun_gives_the_same_result(root, fixture_targe
     assert set(listed(root, "killed")) <= set(on_disk)
     assert all((out / f["name"]).stat().st_size == f["bytes"] for f in m["files"])
 
+    (out / ".manifest.json.tmp-999999").write_text('{"sta')  # what a kill mid-write of the manifest leaves
     proc = follow_cli(root, fixture_target, "synth/killsrc", "killed", log, *args)
     wait_until("every shard listed", lambda: len(listed(root, "killed")) == N, proc, log)
     text = log.read_text()

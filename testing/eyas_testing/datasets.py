@@ -17,30 +17,33 @@ from eyas_testing.fixture import fixture_prompts
 
 @torch.no_grad()
 def generate_samples(model_dir: Path, n: int, seed: int, split: str = "train", max_new_tokens: int = 256,
-                     batch: int = 32) -> list[dict[str, Any]]:
-    """Synth-format samples: the fixture target's greedy answers (HF, fp32) to `n` fixture prompts."""
+                     batch: int = 32, prompts: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
+    """Synth-format samples: a ChatML target's greedy answers (HF, fp32) to `prompts` (default: `n` fixture
+    prompts). A target without a `</think>` token answers without thinking."""
     from transformers import AutoModelForCausalLM
 
     tok = load_tokenizer(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     eot = tok.convert_tokens_to_ids("<|im_end|>")
-    prompts = fixture_prompts(n, seed, split)
+    thinking = "</think>" in tok.get_vocab()
+    pad = eot if tok.pad_token_id is None else tok.pad_token_id
+    prompts = fixture_prompts(n, seed, split) if prompts is None else prompts[:n]
     out = []
     for i0 in range(0, n, batch):
         chunk = prompts[i0:i0 + batch]
         ids = [render_prompt(tok, p["messages"]) for p in chunk]
         width = max(map(len, ids))
         # Left padding so that every row generates from its own last prompt token.
-        x = torch.tensor([[tok.pad_token_id] * (width - len(r)) + r for r in ids])
+        x = torch.tensor([[pad] * (width - len(r)) + r for r in ids])
         att = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in ids])
         gen = model.generate(x, attention_mask=att, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=eot, pad_token_id=tok.pad_token_id)[:, width:].tolist()
+                             eos_token_id=eot, pad_token_id=pad)[:, width:].tolist()
         for j, (p, prompt, completion) in enumerate(zip(chunk, ids, gen)):
             finished = eot in completion
             completion = completion[:completion.index(eot) + 1] if finished else completion
             text = tok.decode(completion, skip_special_tokens=False)
-            reasoning, _, content = text.partition("</think>")
-            out.append(new_sample(id=i0 + j, prompt_index=i0 + j, messages=p["messages"], thinking=True,
+            reasoning, _, content = text.partition("</think>") if thinking else ("", "", text)
+            out.append(new_sample(id=i0 + j, prompt_index=i0 + j, messages=p["messages"], thinking=thinking,
                                   reasoning=reasoning, content=content.replace("<|im_end|>", ""), prompt_ids=prompt,
                                   completion_ids=completion, finish_reason="stop" if finished else "length",
                                   source="server"))

@@ -563,6 +563,9 @@ def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, A
         files = describe_files(ds, {shard_name(j): c.samples for j, c in enumerate(counts)}) + consumed
         manifest |= {"files": sorted(files, key=lambda e: e["name"]), "stats": stats, "status": "complete"}
         ds.write_manifest(manifest)
+        # a writer killed while writing the manifest left its temp; a live one holds this mutex while it has one
+        for tmp in temp_files(ds.manifest_path):
+            tmp.unlink(missing_ok=True)
     log(f"{ds.ref} complete: {stats['samples']:,} samples, {stats['tokens']:,} tokens in {n} shards, "
         f"{stats['bytes'] / 1e9:.3f} GB ({stats['bytes_per_token']:,} B/token), {stats['tokens_per_s'] or 0:,.0f} "
         f"tokens/s, wall {stats['wall_s']} s")
