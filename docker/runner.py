@@ -86,17 +86,24 @@ def on_host(env: dict[str, str], host: str, command: str) -> str:
     return words(knob(env, "SSH", "ssh"), f"-p {port}" if port else "", knob(env, "SSH_ARGS"), dest, quote(command))
 
 
-def torchrun_args(env: dict[str, str], module: str, args: str) -> str:
-    """torchrun's options: standalone on one host, or one node per host of HOSTS (c10d rendezvous on the first,
+def host_name(host: str) -> str:
+    """The machine of HOST=user@name[:port]."""
+    return host.partition(":")[0].rpartition("@")[2]
+
+
+def torchrun_args(env: dict[str, str], module: str, args: str, host: str = "") -> str:
+    """torchrun's options: standalone on one host, or node HOST of HOSTS (c10d rendezvous on the first,
     RDZV_HOST by default its name)."""
     nproc = knob(env, "NPROC", "1")
     hosts = knob(env, "HOSTS").split()
     if not hosts:
         return words(f"--standalone --nproc-per-node {nproc} -m {module}", args)
-    rdzv_host = knob(env, "RDZV_HOST") or hosts[0].partition(":")[0].rpartition("@")[2]
+    rdzv_host = knob(env, "RDZV_HOST") or host_name(hosts[0])
+    # --local-addr: the rendezvous tells nodes apart by address and pid; in containers every torchrun has the
+    # same pid, and hosts sharing a hostname (or a loopback test) then look like one node that never meets the other
     return words(f"--nnodes {len(hosts)} --nproc-per-node {nproc} --rdzv-backend c10d",
                  f"--rdzv-endpoint {rdzv_host}:{knob(env, 'RDZV_PORT', '29500')} --rdzv-id {knob(env, 'RDZV_ID')}",
-                 f"-m {module}", args)
+                 f"--local-addr {host_name(host)}" if host else "", f"-m {module}", args)
 
 
 def command(env: dict[str, str], call: Call) -> str:
@@ -108,19 +115,23 @@ def command(env: dict[str, str], call: Call) -> str:
             return words(f"{knob(env, 'VENV', '.venv')}/bin/torchrun --standalone",
                          f"--nproc-per-node {knob(env, 'NPROC')} -m {call.module}", call.args)
         return words(call.local, call.args)
-    entrypoint, args = ("torchrun", torchrun_args(env, call.module, call.args)) if torch else (call.entrypoint,
-                                                                                                call.args)
-    if mode == "docker":
-        return docker_run(env, call, entrypoint, args)
-    if not knob(env, "REGISTRY"):
+    if mode != "docker" and not knob(env, "REGISTRY"):
         raise Refused("HOST= runs pull the image: set REGISTRY=host:port (and make push-STAGE first)")
-    pull_run = f"{knob(env, 'DOCKER', 'docker')} pull {call.image} && {docker_run(env, call, entrypoint, args)}"
+
+    def pull_run(host: str = "") -> str:  # the image's command line (pulled first on an ssh host)
+        entrypoint, args = ("torchrun", torchrun_args(env, call.module, call.args, host)) if torch else \
+            (call.entrypoint, call.args)
+        run = docker_run(env, call, entrypoint, args)
+        return run if mode == "docker" else f"{knob(env, 'DOCKER', 'docker')} pull {call.image} && {run}"
+
+    if mode == "docker":
+        return pull_run()
     if mode == "ssh":
-        return on_host(env, knob(env, "HOST"), pull_run)
+        return on_host(env, knob(env, "HOST"), pull_run())
     if call.stage != "train":
         raise Refused("HOSTS= runs make train only (one torchrun node per host): use HOST=user@name[:port] here")
     # every node at once; the line fails when any node fails
-    nodes = " ".join(f'{on_host(env, h, pull_run)} & pids="$pids $!";' for h in knob(env, "HOSTS").split())
+    nodes = " ".join(f'{on_host(env, h, pull_run(h))} & pids="$pids $!";' for h in knob(env, "HOSTS").split())
     return f"rc=0; pids=; {nodes} for p in $pids; do wait $p || rc=1; done; exit $rc"
 
 

@@ -76,10 +76,11 @@ def test_ssh_pulls_then_runs_and_the_remote_shell_gets_the_words_back():
 
 def test_hosts_start_one_node_each_and_fail_when_any_fails(tmp_path):
     out = line({"HOSTS": "u@a u@b:2200", "NPROC": "8"})
-    node = shlex.split(out.split(" & ")[0])[-1]
-    assert "--entrypoint torchrun" in node and node.endswith(
-        f"{IMAGE} --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint a:29500 --rdzv-id eyas-d "
-        "-m eyas_train.cli run --hidden hidden/h")
+    nodes = [shlex.split(part)[-1] for part in out.split(" & ")[:2]]
+    for node, name in zip(nodes, ("a", "b")):  # each node named by its own address (containers share pid 7)
+        assert "--entrypoint torchrun" in node and node.endswith(
+            f"{IMAGE} --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint a:29500 --rdzv-id eyas-d "
+            f"--local-addr {name} -m eyas_train.cli run --hidden hidden/h")
     assert line({"HOSTS": "u@a u@b", "RDZV_HOST": "10.0.0.5"}).count("--rdzv-endpoint 10.0.0.5:29500") == 2
     # the line itself, run by bash with an ssh that fails on host b only: the whole line fails
     fake_ssh = tmp_path / "ssh"
