@@ -35,11 +35,11 @@ from eyas_train.eval import evaluate
 
 BIN = Path(sys.executable).parent
 EXTRACT = ["--shard-samples", "4"]
-# one pass (--epochs 1: the recipe at scale), a window of 4 shards, validation from it
-TRAIN = ["--epochs", "1", "--batch-size", "4", "--val-samples", "8", "--window-shards", "4", "--ckpt-every", "2",
-         "--log-every", "25"]
-# per target: how it is built, its draft vocabulary, the longest answer generated
-TARGETS = {"fixture": (build_fixture, "2048", 256), "smollm2": (build_smollm2_fixture, "8192", 192)}
+# one pass (--epochs 1: the recipe at scale), validation from the first window
+TRAIN = ["--epochs", "1", "--batch-size", "4", "--val-samples", "8", "--ckpt-every", "2", "--log-every", "25"]
+# per target: how it is built, its draft vocabulary, the longest answer generated, shards per window (a window
+# must fit in the budget with the shard being written: a few hundred samples are only tens of shards)
+TARGETS = {"fixture": (build_fixture, "2048", 256, "4"), "smollm2": (build_smollm2_fixture, "8192", 192, "2")}
 
 
 def start(root: Path, tool: str, *args: str) -> subprocess.Popen:
@@ -61,9 +61,9 @@ def busy(root: Path, name: str) -> tuple[float, float]:
     return sum(w.get("compute_s", 0) for w in h.get("workers", [])), d["train_s"]
 
 
-def run_mode(root: Path, model: Path, name: str, *, budget: int | None, vocab: str) -> dict[str, float]:
+def run_mode(root: Path, model: Path, name: str, *, budget: int | None, vocab: str, window: str) -> dict[str, float]:
     common = ["--model", str(model), "--name", name]
-    train = [*TRAIN, "--draft-vocab", vocab]
+    train = [*TRAIN, "--draft-vocab", vocab, "--window-shards", window]
     t0 = time.monotonic()
     with PeakBytes(root / "hidden" / name) as peak:
         if budget is None:
@@ -100,7 +100,7 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.13, help="disk budget, as a share of the full hidden bytes")
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts for the acceptance eval")
     a = ap.parse_args()
-    build, vocab, max_new = TARGETS[a.target]
+    build, vocab, max_new, window = TARGETS[a.target]
     model = build()
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-stream-"))
     write_synth(root, "bench", cached_samples(a.target, model, a.samples, max_new), model)
@@ -110,10 +110,10 @@ def main() -> None:
     else:
         write_real_prompts(heldout, "real", "heldout", n=a.prompts, seed=1)
 
-    seq = run_mode(root, model, "seq", budget=None, vocab=vocab)
-    stream = run_mode(root, model, "stream", budget=int(a.budget * seq["full"]), vocab=vocab)
+    seq = run_mode(root, model, "seq", budget=None, vocab=vocab, window=window)
+    stream = run_mode(root, model, "stream", budget=int(a.budget * seq["full"]), vocab=vocab, window=window)
     print(f"\n{a.target} target, {a.samples} samples, one pass at batch 4, draft vocabulary {vocab}, shards of 4 "
-          f"samples, budget "
+          f"samples, windows of {window} shards, budget "
           f"{a.budget:.2f} x {seq['full'] / 1e6:.1f} MB")
     print(f"{'mode':<11}{'wall s':>8}{'extract s':>11}{'train s':>9}{'peak MB':>9}{'peak/full':>11}{'acc@3':>7}")
     for mode, r in (("sequential", seq), ("streamed", stream)):

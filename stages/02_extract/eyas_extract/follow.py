@@ -94,20 +94,33 @@ class Follower:
                 f"(or accept its shortfall with --allow-missing), then rerun this one")
 
 
+def shard_bytes(ds: Dataset) -> int:
+    """Bytes of hidden shards on disk now: final ones, consumed ones not yet deleted, and ones being written
+    (their temps have their final size from the start). The disk, not the manifest: a shard is written in the
+    background and listed after its rename, so the manifest runs behind it."""
+    total = 0
+    for p in ds.path.iterdir() if ds.path.is_dir() else []:
+        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and ".tmp-" in p.name):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # deleted by --consume or renamed meanwhile
+                pass
+    return total
+
+
 def wait_for_budget(ds: Dataset, budget: int, next_bytes: int, *, poll_s: float, say: Callable[[str], None]) -> None:
-    """--disk-budget: before a shard of `next_bytes` is made, wait while the shards listed and not yet consumed by
-    a training run (`eyas-train run --follow --consume`) would exceed `budget` with it (one shard always goes)."""
+    """--disk-budget: before a shard of `next_bytes` is made, wait while the shards on disk would exceed `budget`
+    with it (training with `eyas-train run --follow --consume` deletes them; one shard always goes)."""
     said_at = -WAIT_LOG_S
     while True:
-        files = ds.read_manifest().get("files") or []
-        held = sum(e["bytes"] for e in files if e["name"].startswith("shard-") and "consumed" not in e)
+        held = shard_bytes(ds)
         if held == 0 or held + next_bytes <= budget:
             return
         if time.monotonic() - said_at >= WAIT_LOG_S:
-            say(f"waiting for training to consume shards: {held / 1e9:.3f} GB of {ds.ref} not consumed yet + "
-                f"{next_bytes / 1e9:.3f} GB for the next shard > --disk-budget {budget / 1e9:.3f} GB (training "
-                f"deletes a shard at the first checkpoint after its last use: a budget under a window of shards "
-                f"plus a checkpoint interval waits for ever)")
+            say(f"waiting for training to consume shards: {held / 1e6:,.1f} MB of {ds.ref} shards on disk + "
+                f"{next_bytes / 1e6:,.1f} MB for the next > --disk-budget {budget / 1e6:,.1f} MB (training deletes "
+                f"a shard once past its last use: a budget under a window of shards (--window-shards) plus one "
+                f"waits for ever)")
             said_at = time.monotonic()
         time.sleep(poll_s)
 

@@ -491,7 +491,7 @@ def _train(s: RunState) -> None:
             window.zero_()
             tokens, t_window = 0, time.monotonic()
         stop = _maybe_validate(s, log, bar)
-        if stop or s.step % cfg.ckpt_every == 0 or s.step == total:
+        if stop or s.step % cfg.ckpt_every == 0 or s.step == total or _shards_due(s):
             _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
         if stop:
             break
@@ -665,9 +665,19 @@ def _checkpoint(s: RunState, *, train_s: float) -> None:
             "expected_samples": s.recipe.train_samples + s.recipe.val_samples, "recipe": s.recipe.to_dict(),
             "val_ids": [s.shards.samples[i].sample_id for i in s.val_idx],
         }, s.cfg.keep_ckpts)
-        if s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch:
-            _consume(s, s.consumption.due(s.step))
+    if s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch:
+        due = s.consumption.due(s.step)
+        if s.d.main:
+            _consume(s, due)
+        s.consumption.done.update(due)  # on every rank: _shards_due must agree
     parallel.barrier(s.d)
+
+
+def _shards_due(s: RunState) -> bool:
+    """--consume, one pass: shards are past their last use now. They are freed at once (a checkpoint, then the
+    deletion), not at the next --ckpt-every: extract may be waiting under its --disk-budget for exactly these,
+    and this run for extract's next shards. The same on every rank: it follows the plan, not the clock."""
+    return bool(s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch and s.consumption.due(s.step))
 
 
 def _consume(s: RunState, shards: list[int]) -> None:
