@@ -60,12 +60,13 @@ def test_training_across_hosts_starts_one_torchrun_node_per_host():
     (line,) = dry_lines("train", HOSTS="u@gpu-a u@gpu-b:2200", NPROC="8", HIDDEN="hidden/h", MODEL="/models/K",
                         NAME="d", GPUS="all", NCCL_P2P_DISABLE="", NCCL_SOCKET_IFNAME="eth1")
     image = "reg.example:5000/team/eyas-train:abc123"
-    node = (f"docker pull {image} && docker run --rm --init --network=host --ipc=host --ulimit memlock=-1 "
-            "--ulimit stack=67108864 --gpus all -e NCCL_SOCKET_IFNAME=eth1 -v /data/eagle3:/data -e EYAS_DATA=/data "
-            f"-v /models/K:/models/K:ro --entrypoint torchrun {image} --nnodes 2 --nproc-per-node 8 "
-            "--rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id eyas-d "
-            "-m eyas_train.cli run --hidden hidden/h --model /models/K --name d")
-    assert f"ssh u@gpu-a '{node}' & " in line and f"ssh -p 2200 u@gpu-b '{node}' & " in line
+    def node(name: str) -> str:  # each node named by its host (--local-addr): containers share pid and hostname
+        return (f"docker pull {image} && docker run --rm --init --network=host --ipc=host --ulimit memlock=-1 "
+                "--ulimit stack=67108864 --gpus all -e NCCL_SOCKET_IFNAME=eth1 -v /data/eagle3:/data "
+                f"-e EYAS_DATA=/data -v /models/K:/models/K:ro --entrypoint torchrun {image} --nnodes 2 "
+                "--nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id eyas-d "
+                f"--local-addr {name} -m eyas_train.cli run --hidden hidden/h --model /models/K --name d")
+    assert f"ssh u@gpu-a '{node('gpu-a')}' & " in line and f"ssh -p 2200 u@gpu-b '{node('gpu-b')}' & " in line
     assert line.rstrip().endswith("for p in $pids; do wait $p || rc=1; done; exit $rc")
 
 
