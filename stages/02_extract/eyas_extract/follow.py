@@ -20,7 +20,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
+from eyas_common.contract import Dataset, DatasetError, input_ref, is_temp, sha256_file
 from eyas_common.hidden import count_shard, made_shards, open_shard, shard_name, update_manifest
 from eyas_common.samples import SampleLine, SynthTail
 
@@ -100,7 +100,7 @@ def shard_bytes(ds: Dataset) -> int:
     background and listed after its rename, so the manifest runs behind it."""
     total = 0
     for p in ds.path.iterdir() if ds.path.is_dir() else []:
-        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and ".tmp-" in p.name):
+        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and is_temp(p)):
             try:
                 total += p.stat().st_size
             except FileNotFoundError:  # deleted by --consume or renamed meanwhile

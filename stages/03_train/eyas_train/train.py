@@ -257,8 +257,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
     _finish(s, t_start)
     if s.consumption and d.main:  # every shard the run used, validation shards too, is past its last use now
         c = s.consumption
-        one_pass = s.recipe.total_steps <= s.recipe.steps_per_epoch
-        used = set(range(c.dealt)) | set(c.last_use) | c.keep if one_pass else set(range(len(s.shards.files)))
+        used = set(range(c.dealt)) | set(c.last_use) | c.keep if _consuming_now(s) else set(range(len(s.shards.files)))
         _consume(s, sorted(used - c.done))
     parallel.barrier(d)
     return out.path
@@ -665,7 +664,7 @@ def _checkpoint(s: RunState, *, train_s: float) -> None:
             "expected_samples": s.recipe.train_samples + s.recipe.val_samples, "recipe": s.recipe.to_dict(),
             "val_ids": [s.shards.samples[i].sample_id for i in s.val_idx],
         }, s.cfg.keep_ckpts)
-    if s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch:
+    if _consuming_now(s):
         due = s.consumption.due(s.step)
         if s.d.main:
             _consume(s, due)
@@ -673,18 +672,22 @@ def _checkpoint(s: RunState, *, train_s: float) -> None:
     parallel.barrier(s.d)
 
 
+def _consuming_now(s: RunState) -> bool:
+    """--consume with a one-pass recipe: shards go as the run passes them (otherwise all at the end)."""
+    return s.consumption is not None and s.recipe.total_steps <= s.recipe.steps_per_epoch
+
+
 def _shards_due(s: RunState) -> bool:
-    """--consume, one pass: shards are past their last use now. They are freed at once (a checkpoint, then the
-    deletion), not at the next --ckpt-every: extract may be waiting under its --disk-budget for exactly these,
-    and this run for extract's next shards. The same on every rank: it follows the plan, not the clock."""
-    return bool(s.consumption and s.recipe.total_steps <= s.recipe.steps_per_epoch and s.consumption.due(s.step))
+    """Shards are past their last use now. They are freed at once (a checkpoint, then the deletion), not at the
+    next --ckpt-every: extract may be waiting under its --disk-budget for exactly these, and this run for
+    extract's next shards. The same on every rank: it follows the plan, not the clock."""
+    return _consuming_now(s) and bool(s.consumption.due(s.step))
 
 
 def _consume(s: RunState, shards: list[int]) -> None:
     """Delete shards used for the last time (their last step is in a checkpoint), marked in the hidden manifest."""
     if shards:
         consume(s.shards.ds, [shard_name(j) for j in shards], by=s.out.ref, step=s.step)
-        s.consumption.done.update(shards)
         say(f"consumed {len(shards)} shard(s) of {s.shards.ds.ref} (--consume): {shard_name(shards[0])}"
             + (f" .. {shard_name(shards[-1])}" if len(shards) > 1 else ""))
 
