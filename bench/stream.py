@@ -22,7 +22,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 from eyas_common.contract import Dataset
 from eyas_common.paths import cache_root
@@ -34,12 +36,25 @@ from eyas_testing.peak import PeakBytes
 from eyas_train.eval import evaluate
 
 BIN = Path(sys.executable).parent
-EXTRACT = ["--shard-samples", "4"]
-# one pass (--epochs 1: the recipe at scale), validation from the first window
-TRAIN = ["--epochs", "1", "--batch-size", "4", "--val-samples", "8", "--ckpt-every", "2", "--log-every", "25"]
-# per target: how it is built, its draft vocabulary, the longest answer generated, shards per window (a window
-# must fit in the budget with the shard being written: a few hundred samples are only tens of shards)
-TARGETS = {"fixture": (build_fixture, "2048", 256, "4"), "smollm2": (build_smollm2_fixture, "8192", 192, "2")}
+# one pass (--epochs 1: the recipe at scale)
+TRAIN = ["--epochs", "1", "--batch-size", "4", "--ckpt-every", "2", "--log-every", "25"]
+
+
+class Target(NamedTuple):
+    """How a target is built and streamed. Under --consume a streamed run holds at once its validation shards,
+    up to batch - 1 shards of samples a batch carries into the next window, and a window: that must fit in
+    the budget (eyas-train stops with the budget it needs otherwise), so a few hundred samples are cut small."""
+    build: Callable[[], Path]
+    draft_vocab: int
+    max_new: int        # the longest answer generated
+    shard_samples: int
+    window_shards: int
+    val_samples: int    # taken from the first window
+
+
+TARGETS = {"fixture": Target(build_fixture, 2048, 256, 4, 4, 8),
+           # 128 answers of about 200 tokens: at most 2 + 3 + 6 one-sample shards on disk, ~0.11 of the whole
+           "smollm2": Target(build_smollm2_fixture, 8192, 192, 1, 6, 2)}
 
 
 def start(root: Path, tool: str, *args: str) -> subprocess.Popen:
@@ -61,16 +76,18 @@ def busy(root: Path, name: str) -> tuple[float, float]:
     return sum(w.get("compute_s", 0) for w in h.get("workers", [])), d["train_s"]
 
 
-def run_mode(root: Path, model: Path, name: str, *, budget: int | None, vocab: str, window: str) -> dict[str, float]:
+def run_mode(root: Path, model: Path, name: str, t: Target, budget: int | None) -> dict[str, float]:
     common = ["--model", str(model), "--name", name]
-    train = [*TRAIN, "--draft-vocab", vocab, "--window-shards", window]
+    extract = ["--shard-samples", str(t.shard_samples)]
+    train = [*TRAIN, "--draft-vocab", str(t.draft_vocab), "--window-shards", str(t.window_shards), "--val-samples",
+             str(t.val_samples)]
     t0 = time.monotonic()
     with PeakBytes(root / "hidden" / name) as peak:
         if budget is None:
-            finish(start(root, "eyas-extract", "--synth", "synth/bench", *common, *EXTRACT))
+            finish(start(root, "eyas-extract", "--synth", "synth/bench", *common, *extract))
             finish(start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *train))
         else:
-            ex = start(root, "eyas-extract", "--synth", "synth/bench", *common, *EXTRACT, "--follow",
+            ex = start(root, "eyas-extract", "--synth", "synth/bench", *common, *extract, "--follow",
                        "--poll-seconds", "0.1", "--disk-budget", str(budget))
             tr = start(root, "eyas-train", "--hidden", f"hidden/{name}", *common, *train, "--follow", "--consume",
                        "--poll-seconds", "0.1")
@@ -100,21 +117,21 @@ def main() -> None:
     ap.add_argument("--budget", type=float, default=0.13, help="disk budget, as a share of the full hidden bytes")
     ap.add_argument("--prompts", type=int, default=40, help="held-out prompts for the acceptance eval")
     a = ap.parse_args()
-    build, vocab, max_new, window = TARGETS[a.target]
-    model = build()
+    t = TARGETS[a.target]
+    model = t.build()
     root = Path(tempfile.mkdtemp(prefix="eyas-bench-stream-"))
-    write_synth(root, "bench", cached_samples(a.target, model, a.samples, max_new), model)
+    write_synth(root, "bench", cached_samples(a.target, model, a.samples, t.max_new), model)
     heldout = root / "heldout.jsonl"
     if a.target == "fixture":
         write_prompts_jsonl(heldout, a.prompts, seed=1)
     else:
         write_real_prompts(heldout, "real", "heldout", n=a.prompts, seed=1)
 
-    seq = run_mode(root, model, "seq", budget=None, vocab=vocab, window=window)
-    stream = run_mode(root, model, "stream", budget=int(a.budget * seq["full"]), vocab=vocab, window=window)
-    print(f"\n{a.target} target, {a.samples} samples, one pass at batch 4, draft vocabulary {vocab}, shards of 4 "
-          f"samples, windows of {window} shards, budget "
-          f"{a.budget:.2f} x {seq['full'] / 1e6:.1f} MB")
+    seq = run_mode(root, model, "seq", t, budget=None)
+    stream = run_mode(root, model, "stream", t, budget=int(a.budget * seq["full"]))
+    print(f"\n{a.target} target, {a.samples} samples, one pass at batch 4, draft vocabulary {t.draft_vocab}, shards of "
+          f"{t.shard_samples} samples, windows of {t.window_shards} shards, {t.val_samples} validation samples, "
+          f"budget {a.budget:.2f} x {seq['full'] / 1e6:.1f} MB")
     print(f"{'mode':<11}{'wall s':>8}{'extract s':>11}{'train s':>9}{'peak MB':>9}{'peak/full':>11}{'acc@3':>7}")
     for mode, r in (("sequential", seq), ("streamed", stream)):
         acc = evaluate(draft=f"drafts/{'seq' if r is seq else 'stream'}", model=model, prompts=heldout,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset, sha256_file
 from eyas_common.lock import WriterLock
+from eyas_extract.cli import DiskSize
 from eyas_testing.datasets import build_datasets
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.peak import PeakBytes
@@ -37,6 +39,7 @@ from helpers import make, rendering_answer
 # streams 5 batches of the 22 training samples, the second pass is a seeded epoch over all of them.
 ARGS = ["--draft-vocab", "512", "--ttt-steps", "3", "--batch-size", "4", "--lr", "3e-3", "--log-every", "1",
         "--val-samples", "2", "--eval-every", "5", "--epochs", "2", "--window-shards", "2", "--ckpt-every", "1"]
+ONE_PASS = [a if ARGS[i - 1] != "--epochs" else "1" for i, a in enumerate(ARGS)]
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -109,23 +112,23 @@ def wait_for(what: str, done, proc: subprocess.Popen, log: Path, timeout: float 
         time.sleep(0.05)
 
 
-def train_offline(root: Path, hidden: Dataset, target: Path) -> None:
-    """drafts/offline: one process over the finished dataset in shard order, what every followed run must equal."""
-    if (root / "drafts" / "offline" / "model.safetensors").exists():
+def train_offline(root: Path, hidden: Dataset, target: Path, name: str = "offline", args: list[str] = ARGS) -> None:
+    """drafts/NAME: one process over the finished dataset in shard order, what every followed run must equal."""
+    if (root / "drafts" / name / "model.safetensors").exists():
         return
-    r = CliRunner().invoke(train_cli, ["run", "--hidden", hidden.ref, "--model", str(target), "--name", "offline",
-                                       "--order", "shards", *ARGS])
+    r = CliRunner().invoke(train_cli, ["run", "--hidden", hidden.ref, "--model", str(target), "--name", name,
+                                       "--order", "shards", *args])
     assert r.exit_code == 0, r.output
 
 
-def assert_same_training(root: Path, name: str, atol: float) -> None:
-    a, b = train_log(root, "offline"), train_log(root, name)
-    assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= 10
+def assert_same_training(root: Path, name: str, atol: float, offline: str = "offline", records: int = 10) -> None:
+    a, b = train_log(root, offline), train_log(root, name)
+    assert [x["step"] for x in a] == [x["step"] for x in b] and len(a) >= records
     for x, y in zip(a, b):
         for k in ("loss", "val_loss"):
             if k in x:
                 assert abs(x[k] - y[k]) < 1e-4, (x, y)
-    a, b = weights(root, "offline"), weights(root, name)
+    a, b = weights(root, offline), weights(root, name)
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)
 
 
@@ -201,16 +204,13 @@ def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill
                                                                                   tmp_path):
     root, hidden = data
     monkeypatch.setenv("EYAS_DATA", str(root))
-    one_pass = [a if a != "2" or ARGS[i - 1] != "--epochs" else "1" for i, a in enumerate(ARGS)]
-    r = CliRunner().invoke(train_cli, ["run", "--hidden", hidden.ref, "--model", str(fixture_target), "--name",
-                                       "offline1", "--order", "shards", *one_pass])
-    assert r.exit_code == 0, r.output
+    train_offline(root, hidden, fixture_target, "offline1", ONE_PASS)
     names = shard_names(hidden)
     live = LiveHidden(root, hidden, "eaten")
     live.start_writer()
     live.add(*names[:4])
     log = tmp_path / "consume.log"
-    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *one_pass)
+    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *ONE_PASS)
     ckpts = root / "drafts" / "eater" / "checkpoints"
     wait_for("a checkpoint at step 2", lambda: (ckpts / "step-00000002.pt").exists(), proc, log)
     wait_for("a consumed shard", lambda: any(e.get("consumed") for e in live.ds.read_manifest()["files"]), proc, log)
@@ -222,7 +222,7 @@ def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill
 
     live.add(*names[4:])
     live.complete()  # extract's last write keeps the consumed marks
-    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *one_pass)
+    proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *ONE_PASS)
     assert proc.wait(timeout=600) == 0, log.read_text()
 
     a, b = train_log(root, "offline1"), train_log(root, "eater")
@@ -236,8 +236,84 @@ def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill
     assert not list(live.ds.path.glob("shard-*"))
     # another draft may not read it: one line naming the consumer
     r = CliRunner().invoke(train_cli, ["run", "--hidden", "eaten", "--model", str(fixture_target), "--name", "other",
-                                       "--order", "shards", *one_pass])
+                                       "--order", "shards", *ONE_PASS])
     assert r.exit_code != 0 and "hidden/eaten was consumed by drafts/eater" in r.output, r.output
+
+
+def extract_follow(root: Path, target: Path, synth: str, name: str, log: Path, budget: str) -> subprocess.Popen:
+    env = {**os.environ, "EYAS_DATA": str(root), "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+    cmd = [sys.executable, "-m", "eyas_extract.cli", "run", "--synth", synth, "--model", str(target), "--name", name,
+           "--follow", "--poll-seconds", "0.05", "--shard-samples", "3", "--disk-budget", budget]
+    return subprocess.Popen(cmd, env=env, stdout=open(log, "a"), stderr=subprocess.STDOUT, start_new_session=True)
+
+
+@pytest.fixture
+def reap():
+    """`reap(proc)`: a process this test starts, killed with its group if the test ends before it does."""
+    procs: list[subprocess.Popen] = []
+    yield lambda proc: procs.append(proc) or proc
+    for proc in procs:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+
+
+def refused(proc: subprocess.Popen, log: Path) -> str:
+    """The one line a refused training run ends with (exit 1, no traceback)."""
+    assert proc.wait(timeout=300) == 1, log.read_text()
+    out = log.read_text()
+    errors = [line for line in out.splitlines() if line.startswith("Error: ")]
+    assert "Traceback" not in out and len(errors) == 1 and "the two would wait for ever" in errors[0], out
+    return errors[0]
+
+
+@pytest.mark.slow  # three extract and three training processes, one offline training
+def test_a_disk_budget_too_small_for_training_stops_it_in_one_line_and_the_fix_it_names_resumes_both(
+        data, fixture_target, monkeypatch, tmp_path, reap):
+    """extract --follow waits for room under its budget that only train --consume frees, while train waits for
+    extract's next shard: train says so in one line with the budget to give, first before its first window,
+    then mid-run; extract, killed and rerun with that budget, and train, rerun, finish as the offline run."""
+    root, hidden = data
+    monkeypatch.setenv("EYAS_DATA", str(root))
+    # 4 validation samples in the first window's 6: both its shards hold one, so training frees neither
+    args = [a if ONE_PASS[i - 1] != "--val-samples" else "4" for i, a in enumerate(ONE_PASS)]
+    train_offline(root, hidden, fixture_target, "offline_v4", args)
+    synth = hidden.read_manifest()["inputs"][0]["ref"]
+    size = [e["bytes"] for e in sorted(hidden.read_manifest()["files"], key=lambda e: e["name"])
+            if e["name"].startswith("shard-")]
+    ext_log, log = tmp_path / "extract.log", tmp_path / "train.log"
+
+    # room for shard 0 alone: the first window (shards 0 and 1) never comes
+    ext = reap(extract_follow(root, fixture_target, synth, "tight", ext_log, str(size[0] + size[1] - 1)))
+    line = refused(reap(follow_cli(root, fixture_target, "tight", "tight", log, "--consume", *args)), log)
+    assert "waits to write shard-00001" in line and "reads its first --window-shards 2 shards" in line, line
+    assert ext.poll() is None and "waiting for training to consume shards" in ext_log.read_text()
+    os.killpg(ext.pid, signal.SIGKILL)  # leaves its wait marked in the manifest: the rerun must not trust it
+    ext.wait()
+
+    # room for the first window: training takes it, then needs shard 3 and can free neither shard it holds
+    ext = reap(extract_follow(root, fixture_target, synth, "tight", ext_log, str(sum(size[:3]) - 1)))
+    line = refused(reap(follow_cli(root, fixture_target, "tight", "tight", log, "--consume", *args)), log)
+    assert "waits to write shard-00002" in line and "needs shard-00003.safetensors before it can free" in line, line
+    budget = re.search(r"Rerun extract with --disk-budget (\S+) or more", line).group(1)
+    # a recipe of two passes frees nothing before its end: no budget under the whole dataset holds it
+    twice = [a if ARGS[i - 1] != "--val-samples" else "4" for i, a in enumerate(ARGS)]
+    line = refused(reap(follow_cli(root, fixture_target, "tight", "twice", log, "--consume", *twice)), log)
+    assert "more than one pass" in line and "or train for one pass (--epochs 1)" in line, line
+    os.killpg(ext.pid, signal.SIGINT)
+    assert ext.wait(timeout=60) != 0
+
+    # the budget the line names: both run to the end, and the draft is the offline draft
+    with PeakBytes(root / "hidden" / "tight") as peak:
+        ext = reap(extract_follow(root, fixture_target, synth, "tight", ext_log, budget))
+        proc = reap(follow_cli(root, fixture_target, "tight", "tight", log, "--consume", *args))
+        assert proc.wait(timeout=600) == 0, log.read_text()
+        assert ext.wait(timeout=120) == 0, ext_log.read_text()
+    m = Dataset.parse("tight", "hidden", root).read_manifest()
+    assert m["status"] == "complete" and "budget_wait" not in m
+    assert all(e.get("consumed", {}).get("by") == "drafts/tight" for e in m["files"] if e["name"].startswith("shard-"))
+    assert 0 < peak.peak <= DiskSize().convert(budget, None, None), (peak.peak, budget)
+    assert_same_training(root, "tight", atol=1e-5, offline="offline_v4", records=6)  # 5 steps, a validation
 
 
 @pytest.mark.slow

@@ -25,6 +25,9 @@ Consuming (stage 03 `--consume`): `consume` deletes a shard a training run has u
 and marks its `files` entry `"consumed": {"by": "drafts/NAME", "step": S}`. Extract and train write the
 manifest at the same time then, so both write it through `update_manifest` (a mutex beside the dataset;
 consumed marks are carried over). A dataset with consumed shards is read by its consumer alone.
+While `eyas-extract run --follow --disk-budget` waits for room, the manifest says so (`budget_wait`: the
+budget, the next shard and its bytes, the waiting process), so that a training run that can free nothing
+before that shard arrives knows the two wait on each other and stops instead of waiting for ever.
 Reading: `open_hidden(ref)` refuses a partial, unknown or missing dataset, then `HiddenShards` opens
 exactly the shards the manifest lists, after checking each one's size (and sha256 when the dataset is
 small enough to hash quickly) and that no unlisted file sits in the folder. Handles are opened
@@ -87,6 +90,7 @@ def read_runs(ds: Dataset) -> list[dict[str, Any]]:
     return [json.loads(p.read_text()) for p in sorted((ds.path / RUNS).glob("worker-*-of-*.json"))]
 
 
+BUDGET_WAIT = "budget_wait"  # manifest key, present while extract waits for room under its --disk-budget
 CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
 
 
@@ -111,13 +115,17 @@ def update_manifest(ds: Dataset, manifest: dict[str, Any]) -> None:
     """Write the hidden manifest, keeping every consumed mark the one on disk has (a training run may have
     consumed shards since `manifest` was read): a consumed entry is kept even when its file is gone."""
     with manifest_mutex(ds):
-        marks = consumed_marks(ds.read_manifest()) if ds.manifest_path.exists() else {}
-        on_disk = {e["name"]: e for e in ds.read_manifest().get("files") or []} if marks else {}
-        files = {e["name"]: e for e in manifest.get("files") or []}
-        for name, mark in marks.items():
-            files[name] = {**files.get(name, on_disk[name]), CONSUMED: mark}
-        manifest["files"] = [files[name] for name in sorted(files)]
-        ds.write_manifest(manifest)
+        _write_with_marks(ds, manifest)
+
+
+def _write_with_marks(ds: Dataset, manifest: dict[str, Any]) -> None:
+    marks = consumed_marks(ds.read_manifest()) if ds.manifest_path.exists() else {}
+    on_disk = {e["name"]: e for e in ds.read_manifest().get("files") or []} if marks else {}
+    files = {e["name"]: e for e in manifest.get("files") or []}
+    for name, mark in marks.items():
+        files[name] = {**files.get(name, on_disk[name]), CONSUMED: mark}
+    manifest["files"] = [files[name] for name in sorted(files)]
+    ds.write_manifest(manifest)
 
 
 def consume(ds: Dataset, names: list[str], *, by: str, step: int) -> None:
@@ -131,6 +139,43 @@ def consume(ds: Dataset, names: list[str], *, by: str, step: int) -> None:
         ds.write_manifest(manifest)
     for name in names:
         (ds.path / name).unlink(missing_ok=True)
+
+
+def shard_bytes(ds: Dataset) -> int:
+    """Bytes of hidden shards on disk now: final ones, consumed ones not yet deleted, and ones being written
+    (their temps have their final size from the start). The disk, not the manifest: a shard is written in the
+    background and listed after its rename, so the manifest runs behind it."""
+    total = 0
+    for p in ds.path.iterdir() if ds.path.is_dir() else []:
+        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and is_temp(p)):
+            try:
+                total += p.stat().st_size
+            except FileNotFoundError:  # deleted by --consume or renamed meanwhile
+                pass
+    return total
+
+
+def mark_budget_wait(ds: Dataset, manifest: dict[str, Any], wait: dict[str, Any] | None) -> None:
+    """Record that the writer waits for room under its disk budget (`wait`: budget, shard index, bytes, pid, host),
+    or that it does not (None; written only when the manifest said it did)."""
+    if wait is None and BUDGET_WAIT not in manifest:
+        return
+    with manifest_mutex(ds):  # the extract's shard writer thread writes `manifest` too, under the mutex
+        if wait is None:
+            del manifest[BUDGET_WAIT]
+        else:
+            manifest[BUDGET_WAIT] = wait
+        _write_with_marks(ds, manifest)
+
+
+def budget_wait(manifest: dict[str, Any], writer: dict[str, Any] | None) -> dict[str, Any] | None:
+    """The wait `mark_budget_wait` recorded, if the process that recorded it still holds the writer lock (a
+    killed writer's mark is stale; its rerun clears it). The shards before the one it waits for are made or
+    being made, though perhaps not listed yet: they are written in the background, one by one."""
+    wait = manifest.get(BUDGET_WAIT)
+    if not wait or not writer or (wait.get("pid"), wait.get("host")) != (writer.get("pid"), writer.get("host")):
+        return None
+    return wait
 
 
 def refuse_consumed(ds: Dataset, manifest: dict[str, Any], consumer: str | None) -> dict[str, dict[str, Any]]:

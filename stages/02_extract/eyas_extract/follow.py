@@ -15,13 +15,16 @@ lock), once what is decided is extracted, with one line saying what to run.
 
 from __future__ import annotations
 
+import os
+import socket
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import Dataset, DatasetError, input_ref, is_temp, sha256_file
-from eyas_common.hidden import count_shard, made_shards, open_shard, shard_name, update_manifest
+from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
+from eyas_common.hidden import (count_shard, made_shards, mark_budget_wait, open_shard, shard_bytes, shard_name,
+                                update_manifest)
 from eyas_common.samples import SampleLine, SynthTail
 
 from eyas_extract.batching import plan_shards
@@ -94,33 +97,27 @@ class Follower:
                 f"(or accept its shortfall with --allow-missing), then rerun this one")
 
 
-def shard_bytes(ds: Dataset) -> int:
-    """Bytes of hidden shards on disk now: final ones, consumed ones not yet deleted, and ones being written
-    (their temps have their final size from the start). The disk, not the manifest: a shard is written in the
-    background and listed after its rename, so the manifest runs behind it."""
-    total = 0
-    for p in ds.path.iterdir() if ds.path.is_dir() else []:
-        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and is_temp(p)):
-            try:
-                total += p.stat().st_size
-            except FileNotFoundError:  # deleted by --consume or renamed meanwhile
-                pass
-    return total
-
-
-def wait_for_budget(ds: Dataset, budget: int, next_bytes: int, *, poll_s: float, say: Callable[[str], None]) -> None:
-    """--disk-budget: before a shard of `next_bytes` is made, wait while the shards on disk would exceed `budget`
-    with it (training with `eyas-train run --follow --consume` deletes them; one shard always goes)."""
-    said_at = -WAIT_LOG_S
+def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: int, next_bytes: int, *,
+                    poll_s: float, say: Callable[[str], None]) -> None:
+    """--disk-budget: before shard `shard` (`next_bytes`) is made, wait while the shards on disk would exceed
+    `budget` with it (training with `eyas-train run --follow --consume` deletes them; one shard always goes).
+    The wait is marked in the manifest while it lasts: a training run waiting for this very shard then knows
+    that the two wait on each other (a budget too small for its window) and stops with the fix."""
+    said_at, marked = -WAIT_LOG_S, False
     while True:
         held = shard_bytes(ds)
         if held == 0 or held + next_bytes <= budget:
+            if marked:
+                mark_budget_wait(ds, manifest, None)
             return
+        if not marked:
+            mark_budget_wait(ds, manifest, {"budget": budget, "shard": shard, "bytes": next_bytes,
+                                            "pid": os.getpid(), "host": socket.gethostname()})
+            marked = True
         if time.monotonic() - said_at >= WAIT_LOG_S:
             say(f"waiting for training to consume shards: {held / 1e6:,.1f} MB of {ds.ref} shards on disk + "
                 f"{next_bytes / 1e6:,.1f} MB for the next > --disk-budget {budget / 1e6:,.1f} MB (training deletes "
-                f"a shard once past its last use: a budget under a window of shards (--window-shards) plus one "
-                f"waits for ever)")
+                f"a shard once past its last use; a training run that needs more than the budget holds says so)")
             said_at = time.monotonic()
         time.sleep(poll_s)
 

@@ -29,7 +29,8 @@ from eyas_common.checkpoint import CONFIG, read_checkpoint_size, read_text_confi
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, check_schema, check_target,
                                   describe_files, input_ref, open_input, open_output, temp_files, verify)
 from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
-                                missing_shards, read_runs, shard_layout, shard_name, update_manifest, write_run)
+                                mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, update_manifest,
+                                write_run)
 from eyas_common.lock import WriterLock
 from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
@@ -418,6 +419,8 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
     def listed(j: int) -> None:
         list_shards(ds, manifest, job.plan, [j])
 
+    mark_budget_wait(ds, manifest, None)  # a killed run's wait (its budget may have been changed since)
+
     with Extraction(job.cfg, job.dev, ds, job.sds.path / SAMPLES, max_len=_follow_max_len(job.smanifest),
                     progress=progress) as ex:
         def budgeted(todo: list[int]) -> None:
@@ -426,7 +429,7 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
                 return
             for j in todo:  # one at a time, each once the budget has room for it
                 size = shard_layout(job.cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size
-                wait_for_budget(ds, job.disk_budget, size, poll_s=follower.poll_s, say=log)
+                wait_for_budget(ds, manifest, job.disk_budget, j, size, poll_s=follower.poll_s, say=log)
                 ex.shards(job.plan, [j], then=listed)
 
         def extract(todo: list[int]) -> None:

@@ -19,6 +19,7 @@ the steps; if more arrive, the first pass is longer and the schedule ends before
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -26,7 +27,7 @@ from typing import Any
 import torch
 
 from eyas_common.contract import Dataset, DatasetError
-from eyas_common.hidden import HiddenShards
+from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, shard_name
 from eyas_common.lock import describe
 
 WAIT_LOG_S = 30.0  # a "waiting for" line is printed at most this often
@@ -55,9 +56,11 @@ def _count(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> int:
     return len(HiddenShards(hidden_ds, hidden_m))
 
 
-def wait_for_shards(shards: HiddenShards, upto: int, *, poll_s: float, say: Callable[[str], None]) -> int:
+def wait_for_shards(shards: HiddenShards, upto: int, *, poll_s: float, say: Callable[[str], None],
+                    stuck: Callable[[int], None] | None = None) -> int:
     """Block until the first `upto` shards are listed, or the dataset is complete with fewer; the number of
-    shards there. A dataset left partial with no eyas-extract run writing it stops the wait in one line."""
+    shards there. A dataset left partial with no eyas-extract run writing it stops the wait in one line, and
+    so does `stuck(upto)` (asked at every poll) when the writer waits on this run in turn."""
     said_at = -WAIT_LOG_S
     while len(shards.files) < upto and not shards.complete:
         if shards.grow():
@@ -68,12 +71,46 @@ def wait_for_shards(shards: HiddenShards, upto: int, *, poll_s: float, say: Call
             raise DatasetError(f"{shards.ds.ref} stopped partial (no eyas-extract run is writing it) after "
                                f"{len(shards.files)} shards; resume it with the same `eyas-extract run --follow` "
                                f"command (make extract FOLLOW=1), then rerun this one to resume")
+        if stuck is not None:
+            stuck(upto)
         if time.monotonic() - said_at >= WAIT_LOG_S:
             say(f"waiting for {shards.ds.ref}: {len(shards.files)} shards final ({len(shards.samples)} samples), "
                 f"the next step needs shard {upto - 1}; written by {describe(shards.writer)}")
             said_at = time.monotonic()
         time.sleep(poll_s)
     return min(upto, len(shards.files))
+
+
+def extract_blocked(shards: HiddenShards, upto: int) -> tuple[dict[str, Any], int] | None:
+    """(its wait, bytes of shards on disk) when the extract run writing `shards` waits, under its --disk-budget
+    (hidden.mark_budget_wait), for room that the shards on disk leave it no room for now, to make a shard
+    among the first `upto` (those the reader waits for); else None."""
+    wait = budget_wait(shards.manifest, shards.writer)
+    if wait is None or wait["shard"] >= upto:  # the shards before it are coming
+        return None
+    held = shard_bytes(shards.ds)
+    return None if held == 0 or held + wait["bytes"] <= wait["budget"] else (wait, held)
+
+
+def largest_shard(shards: HiddenShards, wait: dict[str, Any]) -> int:
+    """The bytes of the largest shard listed so far or waited for (later ones are guessed no larger)."""
+    listed = [e["bytes"] for e in shards.manifest.get("files") or [] if e["name"].startswith("shard-")]
+    return max([wait["bytes"], *listed])
+
+
+def budget_arg(n: float) -> str:
+    """n bytes as a --disk-budget value, rounded up to three significant digits: 313K, 1.25G."""
+    for unit, size in (("T", 10**12), ("G", 10**9), ("M", 10**6), ("K", 10**3), ("", 1)):
+        if n >= size:
+            break
+    scale = 10 ** (2 - int(math.log10(max(n / size, 1))))  # 1 <= n / size < 1000: keep three digits
+    return f"{math.ceil(n / size * scale) / scale:g}{unit}"
+
+
+def deadlock_line(shards: HiddenShards, wait: dict[str, Any], held: int, *, why: str, fix: str) -> str:
+    return (f"{shards.ds.ref}: eyas-extract waits to write {shard_name(wait['shard'])} ({wait['bytes'] / 1e6:,.2f} MB) "
+            f"under --disk-budget {wait['budget'] / 1e6:,.2f} MB with {held / 1e6:,.2f} MB of shards on disk, and "
+            f"{why}: the two would wait for ever. {fix}; both resume where they stopped")
 
 
 def first_window(shards: HiddenShards, window: int, n_val: int) -> range:

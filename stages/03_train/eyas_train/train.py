@@ -38,7 +38,8 @@ from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
-from eyas_train.stream import Consumption, expected_samples, first_window, stream_batches, wait_for_shards
+from eyas_train.stream import (Consumption, budget_arg, deadlock_line, expected_samples, extract_blocked,
+                               first_window, largest_shard, stream_batches, wait_for_shards)
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
@@ -317,7 +318,8 @@ def _split(cfg: TrainConfig, d: parallel.Dist, shards: HiddenShards, hidden_m: d
                                            width=hidden_size, world=d.world), None
     expected = (ckpt or {}).get("expected_samples") or expected_samples(shards.ds, hidden_m)
     n_val = val_count(expected, cfg.val_samples, d.world)
-    n_shards = wait_for_shards(shards, cfg.window_shards, poll_s=cfg.poll_seconds, say=say if d.main else _quiet)
+    n_shards = wait_for_shards(shards, cfg.window_shards, poll_s=cfg.poll_seconds, say=say if d.main else _quiet,
+                               stuck=(lambda _: _refuse_first_window_deadlock(shards, cfg)) if cfg.consume else None)
     window = first_window(shards, n_shards, n_val)
     if ckpt and "val_ids" in ckpt:  # a resumed run: the window's shards may be consumed (counted, not read)
         val_ids = set(ckpt["val_ids"])
@@ -415,7 +417,8 @@ def _shard_order(s: RunState) -> Iterator[list[int] | None]:
     r, cfg, val = s.recipe, s.cfg, set(s.val_idx)
 
     def wait(upto: int) -> int:
-        return wait_for_shards(s.shards, upto, poll_s=cfg.poll_seconds, say=say if s.d.main else _quiet)
+        return wait_for_shards(s.shards, upto, poll_s=cfg.poll_seconds, say=say if s.d.main else _quiet,
+                               stuck=lambda upto: _refuse_budget_deadlock(s, upto))
 
     step = 0
     for item in stream_batches(s.shards, window=cfg.window_shards, val=val, batch_size=r.batch_size,
@@ -468,37 +471,37 @@ def _train(s: RunState) -> None:
     window = torch.zeros(slots, 3, device=d.device)  # per step (DFlash: per slot): loss sum, hits, counted rows
     tokens, t_window = 0, time.monotonic()
     log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
-    bar = tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True)
-    s.module.train()
-    t_loop, stop = time.monotonic(), False
-    for batch in prefetch(s.shards, _plan(s), cfg.max_len, cfg.batching == "packed"):
-        tokens += int(batch["length"].sum())
-        loss, stats = s.method.forward(s, batch)[:2] if s.method else _forward(s, batch)
-        # DDP/FSDP average gradients over ranks; the loss is already a global-batch mean, so undo the average.
-        (loss * d.world).backward()
-        gnorm = torch.nn.utils.clip_grad_norm_(s.trainable, cfg.grad_clip)
-        s.opt.step()
-        s.sched.step()
-        s.opt.zero_grad(set_to_none=True)
-        window += stats
-        bar.update(1)
-        s.step += 1
-        if s.step % cfg.log_every == 0 or s.step == total:
-            s.last = _log_record(window, tokens, t_window, s.step, total, s.recipe.steps_per_epoch, s.sched, gnorm,
-                                 decay, d)
-            _write_log(s, log, s.last, bar)
-            window.zero_()
-            tokens, t_window = 0, time.monotonic()
-        stop = _maybe_validate(s, log, bar)
-        if stop or s.step % cfg.ckpt_every == 0 or s.step == total or _shards_due(s):
+    # closed before an error propagates, so that the error's line is not appended to the bar's
+    with tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True) as bar:
+        s.module.train()
+        t_loop, stop = time.monotonic(), False
+        for batch in prefetch(s.shards, _plan(s), cfg.max_len, cfg.batching == "packed"):
+            tokens += int(batch["length"].sum())
+            loss, stats = s.method.forward(s, batch)[:2] if s.method else _forward(s, batch)
+            # DDP/FSDP average gradients over ranks; the loss is already a global-batch mean, so undo the average.
+            (loss * d.world).backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(s.trainable, cfg.grad_clip)
+            s.opt.step()
+            s.sched.step()
+            s.opt.zero_grad(set_to_none=True)
+            window += stats
+            bar.update(1)
+            s.step += 1
+            if s.step % cfg.log_every == 0 or s.step == total:
+                s.last = _log_record(window, tokens, t_window, s.step, total, s.recipe.steps_per_epoch, s.sched, gnorm,
+                                     decay, d)
+                _write_log(s, log, s.last, bar)
+                window.zero_()
+                tokens, t_window = 0, time.monotonic()
+            stop = _maybe_validate(s, log, bar)
+            if stop or s.step % cfg.ckpt_every == 0 or s.step == total or _shards_due(s):
+                _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
+            if stop:
+                break
+        if not stop and s.step < total:  # shard order, one pass: the data ran out before the recipe's steps
+            s.recipe = dataclasses.replace(s.recipe, total_steps=s.step)
+            _maybe_validate(s, log, bar)
             _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
-        if stop:
-            break
-    if not stop and s.step < total:  # shard order, one pass: the data ran out before the recipe's steps
-        s.recipe = dataclasses.replace(s.recipe, total_steps=s.step)
-        _maybe_validate(s, log, bar)
-        _checkpoint(s, train_s=s.train_s + time.monotonic() - t_loop)
-    bar.close()
     s.train_s += time.monotonic() - t_loop
     if log is not None:
         log.close()
@@ -690,6 +693,43 @@ def _consume(s: RunState, shards: list[int]) -> None:
         consume(s.shards.ds, [shard_name(j) for j in shards], by=s.out.ref, step=s.step)
         say(f"consumed {len(shards)} shard(s) of {s.shards.ds.ref} (--consume): {shard_name(shards[0])}"
             + (f" .. {shard_name(shards[-1])}" if len(shards) > 1 else ""))
+
+
+def _refuse_budget_deadlock(s: RunState, upto: int) -> None:
+    """Stop when extract waits for room under its --disk-budget that only this run could free, while this run
+    waits for shard upto-1. Waiting here, the run frees nothing before that shard comes: what was past its
+    last use went at once (_shards_due), the validation shards go at the end, and so does everything when
+    the recipe takes more than one pass. Only this run deletes shards, so the two would wait for ever."""
+    blocked = extract_blocked(s.shards, upto) if s.consumption else None
+    if blocked is None:
+        return
+    if _consuming_now(s):
+        # At most on disk at once: the validation shards, the shards of the < B samples a batch carries into
+        # the next window, and that window's W shards (the last of them being written).
+        keep, carry, w = len(s.consumption.keep), s.recipe.batch_size - 1, s.cfg.window_shards
+        largest, most = largest_shard(s.shards, blocked[0]), keep + carry + w
+        why = (f"this run needs {shard_name(upto - 1)} before it can free a shard (it keeps its {keep} validation "
+               f"shard(s) to the end, up to {carry} more for a batch that spans two windows, and reads "
+               f"--window-shards {w} at a time)")
+        fix = (f"Rerun extract with --disk-budget {budget_arg(most * largest)} or more ({most} shards of up to "
+               f"{largest / 1e6:,.2f} MB), or this run with a smaller --window-shards or --batch-size")
+    else:
+        why = (f"this run's recipe takes {s.recipe.total_steps} steps, more than one pass "
+               f"({s.recipe.steps_per_epoch}), so --consume frees shards only at its end")
+        fix = "Give extract a --disk-budget that holds the whole dataset, or train for one pass (--epochs 1)"
+    raise DatasetError(deadlock_line(s.shards, *blocked, why=why, fix=fix))
+
+
+def _refuse_first_window_deadlock(shards: HiddenShards, cfg: TrainConfig) -> None:
+    """The same before the first window is there: nothing is trained, so nothing can be freed, until it is."""
+    blocked = extract_blocked(shards, cfg.window_shards)
+    if blocked is not None:
+        w, largest = cfg.window_shards, largest_shard(shards, blocked[0])
+        raise DatasetError(deadlock_line(
+            shards, *blocked, why=f"this run reads its first --window-shards {w} shards before it trains or frees any",
+            fix=f"Rerun extract with a --disk-budget well above {budget_arg(w * largest)} ({w} shards of up to "
+                f"{largest / 1e6:,.2f} MB; the run also keeps its validation shards, and those of a batch that spans "
+                f"two windows), or this run with a smaller --window-shards"))
 
 
 def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None,
