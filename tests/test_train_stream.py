@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -26,6 +27,7 @@ from safetensors.torch import load_file
 
 from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset, sha256_file
+from eyas_common.hidden import consumed_marks, made_shards, update_manifest
 from eyas_common.lock import WriterLock
 from eyas_extract.cli import DiskSize
 from eyas_testing.datasets import build_datasets
@@ -71,14 +73,15 @@ class LiveHidden:
         for name in names:
             shutil.copy(self.source.path / name, self.ds.path / name)
             self.manifest["files"].append(entries[name])
-        self.ds.write_manifest(self.manifest)
+        update_manifest(self.ds, self.manifest)  # as extract lists a shard: the consumed marks are kept
 
     def complete(self) -> None:
+        made = made_shards(self.ds)  # consumed shards stay deleted, as extract's finalize leaves them
         for f in self.final["files"]:
-            if not (self.ds.path / f["name"]).exists():
+            if f["name"] not in made and not (self.ds.path / f["name"]).exists():
                 (self.ds.path / f["name"]).parent.mkdir(parents=True, exist_ok=True)
                 shutil.copy(self.source.path / f["name"], self.ds.path / f["name"])
-        self.ds.write_manifest(self.final)
+        update_manifest(self.ds, json.loads(json.dumps(self.final)))
         self.lock.release()
 
 
@@ -221,7 +224,7 @@ def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill
     assert all(e.get("consumed", {}).get("by") in (None, "drafts/eater") for e in live.ds.read_manifest()["files"])
 
     live.add(*names[4:])
-    live.complete()  # extract's last write keeps the consumed marks
+    live.complete()  # extract's last write keeps the consumed marks; the rerun counts those shards, unread
     proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *ONE_PASS)
     assert proc.wait(timeout=600) == 0, log.read_text()
 
@@ -238,6 +241,44 @@ def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill
     r = CliRunner().invoke(train_cli, ["run", "--hidden", "eaten", "--model", str(fixture_target), "--name", "other",
                                        "--order", "shards", *ONE_PASS])
     assert r.exit_code != 0 and "hidden/eaten was consumed by drafts/eater" in r.output, r.output
+
+
+@pytest.mark.slow  # a consuming run SIGKILLed three times, then finished
+def test_consuming_training_killed_at_random_moments_equals_offline(data, fixture_target, monkeypatch, tmp_path,
+                                                                    reap):
+    """Killed at any moment: three SIGKILLs at moments drawn from a seed (in every failure message; set
+    EYAS_KILL_SEED to replay it) while shards arrive. After each, every consumed shard's last use is in a
+    checkpoint (none deleted before its last use); the finished draft is the offline one, log line for log line
+    and weight for weight (no shard trained on twice or skipped)."""
+    seed = int(os.environ.get("EYAS_KILL_SEED") or time.time_ns() % 100_000)
+    rng, moments = random.Random(seed), []
+    root, hidden = data
+    monkeypatch.setenv("EYAS_DATA", str(root))
+    train_offline(root, hidden, fixture_target, "offline1", ONE_PASS)
+    names = shard_names(hidden)
+    live = LiveHidden(root, hidden, "shot")
+    live.start_writer()
+    log, ckpts = tmp_path / "shot.log", root / "drafts" / "shot" / "checkpoints"
+    for k in range(3):  # two more shards each time: the run never runs out of work to be killed in
+        live.add(*names[2 * k:2 * k + 2])
+        proc = reap(follow_cli(root, fixture_target, "shot", "shot", log, "--consume", *ONE_PASS))
+        moments.append(round(rng.uniform(0.5, 8.0), 2))
+        time.sleep(moments[-1])
+        assert proc.poll() is None, f"seed {seed}, kills at {moments} s: it ended first:\n{log.read_text()}"
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+        newest = max((int(p.stem.removeprefix("step-")) for p in ckpts.glob("step-*.pt")), default=0)
+        marks = consumed_marks(live.ds.read_manifest())
+        assert all(m["step"] <= newest and not (live.ds.path / n).exists() for n, m in marks.items()), \
+            (f"seed {seed}, kills at {moments} s", marks, newest)
+    live.add(*names[6:])
+    live.complete()
+    proc = reap(follow_cli(root, fixture_target, "shot", "shot", log, "--consume", *ONE_PASS))
+    assert proc.wait(timeout=600) == 0, f"seed {seed}, kills at {moments} s:\n{log.read_text()}"
+    try:
+        assert_same_training(root, "shot", atol=1e-5, offline="offline1", records=6)
+    except AssertionError as e:
+        raise AssertionError(f"seed {seed}, kills at {moments} s: {e}") from None
 
 
 def extract_follow(root: Path, target: Path, synth: str, name: str, log: Path, budget: str) -> subprocess.Popen:
