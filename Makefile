@@ -379,7 +379,7 @@ bench-train: install ## useful tokens/s of a TTT step, packed vs padded and vs a
 
 STREAM_ARGS ?=
 bench-stream: install ## extract+train one after the other vs at once under a disk budget: peak disk, wall, acceptance
-##   (STREAM_ARGS="--target smollm2 --samples 96": the real target)
+##   (STREAM_ARGS="--target smollm2 --samples 128": the real target)
 	$(PY) bench/stream.py $(STREAM_ARGS)
 
 QUALITY_ARGS ?=

@@ -23,6 +23,7 @@ from typing import Any
 import pytest
 from click.testing import CliRunner
 
+import eyas_common.lock
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, JsonlTail, finalize, new_manifest
 from eyas_common.hidden import open_hidden
@@ -297,7 +298,8 @@ def test_follow_a_real_synth_run(root, fixture_target, tmp_path):
     assert_same_as_offline(root, fixture_target, "synth/real", "realfollow", "realoffline", shard_samples=3)
 
 
-def test_synth_stopped_partial_is_one_line_then_resume(root, fixture_target, answers):
+def test_synth_stopped_partial_is_one_line_then_resume(root, fixture_target, answers, monkeypatch):
+    monkeypatch.setattr(eyas_common.lock, "WRITER_GRACE_S", 0.5)  # what a rerun's writer has to start in
     live = LiveSynth(root, fixture_target, "stopped", answers)
     live.keep(0, 1, 3, 2, 5)
     live.append(FAILURES, [{"id": 4, "attempts": 8, "error": "timeout"}])

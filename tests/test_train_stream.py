@@ -23,8 +23,10 @@ import pytest
 from click.testing import CliRunner
 
 import torch
+
 from safetensors.torch import load_file
 
+import eyas_common.lock
 from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset, sha256_file
 from eyas_common.hidden import consumed_marks, made_shards, update_manifest
@@ -145,7 +147,8 @@ def test_followed_training_killed_and_rerun_equals_offline_shard_order(data, fix
 
     live = LiveHidden(root, hidden, "live")
     live.add(names[0])
-    # nobody writes it: the follow stops at once, in one line that says what to run
+    # nobody writes it: the follow stops after the grace a rerun's writer has to start, in one line
+    monkeypatch.setattr(eyas_common.lock, "WRITER_GRACE_S", 0.5)
     r = CliRunner().invoke(train_cli, ["run", "--hidden", "live", "--model", str(fixture_target), "--name", "early",
                                        "--follow", "--poll-seconds", "0.05", *ARGS])
     assert r.exit_code != 0 and "hidden/live stopped partial (no eyas-extract run is writing it) after 1 shards" \
@@ -333,6 +336,7 @@ def test_a_disk_budget_too_small_for_training_stops_it_in_one_line_and_the_fix_i
     ext.wait()
 
     # room for the first window: training takes it, then needs shard 3 and can free neither shard it holds
+    # (training starts before extract has taken the writer lock again: it waits for it, as after any rerun)
     ext = reap(extract_follow(root, fixture_target, synth, "tight", ext_log, str(sum(size[:3]) - 1)))
     line = refused(reap(follow_cli(root, fixture_target, "tight", "tight", log, "--consume", *args)), log)
     assert "waits to write shard-00002" in line and "needs shard-00003.safetensors before it can free" in line, line
@@ -355,6 +359,32 @@ def test_a_disk_budget_too_small_for_training_stops_it_in_one_line_and_the_fix_i
     assert all(e.get("consumed", {}).get("by") == "drafts/tight" for e in m["files"] if e["name"].startswith("shard-"))
     assert 0 < peak.peak <= DiskSize().convert(budget, None, None), (peak.peak, budget)
     assert_same_training(root, "tight", atol=1e-5, offline="offline_v4", records=6)  # 5 steps, a validation
+
+
+@pytest.mark.slow  # an extract and a training process
+def test_a_training_run_that_ends_before_the_data_ends_extract_under_a_budget(data, fixture_target, tmp_path, reap):
+    """A consuming run whose schedule ends before the data (as an early stop does) frees every shard it listed,
+    and extract, waiting under its budget for room nobody would free again, stops in one line, exit 0."""
+    root, hidden = data
+    size = [e["bytes"] for e in sorted(hidden.read_manifest()["files"], key=lambda e: e["name"])
+            if e["name"].startswith("shard-")]
+    # 2 of the 5 steps a pass takes, over shards 0-3: extract makes 0-6 as training frees them and stops before 7
+    args = [a if ONE_PASS[i - 1] not in ("--val-samples", "--epochs") else {"--epochs": "0.4"}.get(ONE_PASS[i - 1], "4")
+            for i, a in enumerate(ONE_PASS)]
+    ext_log, log = tmp_path / "extract.log", tmp_path / "train.log"
+    ext = reap(extract_follow(root, fixture_target, hidden.read_manifest()["inputs"][0]["ref"], "short", ext_log,
+                              str(size[0] + size[1] + size[4] + size[5] + size[6])))
+    proc = reap(follow_cli(root, fixture_target, "short", "short", log, "--consume", *args))
+    assert proc.wait(timeout=300) == 0, log.read_text()
+    assert ext.wait(timeout=120) == 0, ext_log.read_text()
+    line = ext_log.read_text().splitlines()[-1]
+    assert "hidden/short: stopping before shard-" in line and "drafts/short, the training run that consumes it, is " \
+        "complete" in line, ext_log.read_text()
+    m = Dataset.parse("short", "hidden", root).read_manifest()
+    assert m["status"] == "partial" and "budget_wait" not in m
+    assert all(e.get("consumed", {}).get("by") == "drafts/short" for e in m["files"] if e["name"].startswith("shard-"))
+    assert not list((root / "hidden" / "short").glob("shard-*")) and len(m["files"]) < len(size)
+    assert Dataset.parse("short", "drafts", root).read_manifest()["status"] == "complete"
 
 
 @pytest.mark.slow
@@ -384,7 +414,7 @@ def test_make_pipeline_streams_synth_extract_and_train_at_once_under_a_disk_budg
     hm = Dataset.parse("pipe", "hidden", root).read_manifest()
     total = sum(e["bytes"] for e in hm["files"] if e["name"].startswith("shard-"))
     marks = [e.get("consumed", {}).get("by") for e in hm["files"] if e["name"].startswith("shard-")]
-    # all 11 steps run (--patience 0: no early stop, which would leave the shards it never reached), so every
-    # shard was used, then consumed
+    # all 11 steps run (--patience 0: an early stop would end extract's wait under the budget before the last
+    # shards, leaving hidden/pipe partial), so every shard was used, then consumed
     assert all(by == "drafts/pipe" for by in marks), marks
     assert total > budget and 0 < peak.peak <= budget, (peak.peak, budget, total)

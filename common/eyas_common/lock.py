@@ -16,9 +16,29 @@ import json
 import os
 import socket
 import sys
+import time
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso
+
+
+# A follower (extract of synth, train of hidden) calls a partial dataset stopped only once no writer has held
+# it for this long: a rerun's writer (make pipeline starts all stages at once) takes its lock after its imports.
+WRITER_GRACE_S = 30.0
+
+
+class WriterWatch:
+    """`gone(holder)`: whether a followed dataset's writer has been absent for WRITER_GRACE_S in a row."""
+
+    def __init__(self) -> None:
+        self.absent_since: float | None = None
+
+    def gone(self, holder: dict[str, Any] | None) -> bool:
+        if holder is not None:
+            self.absent_since = None
+            return False
+        self.absent_since = self.absent_since or time.monotonic()
+        return time.monotonic() - self.absent_since >= WRITER_GRACE_S
 
 
 class WriterLock:

@@ -23,8 +23,9 @@ from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
-from eyas_common.hidden import (count_shard, made_shards, mark_budget_wait, open_shard, shard_bytes, shard_name,
-                                update_manifest)
+from eyas_common.hidden import (count_shard, finished_consumer, made_shards, mark_budget_wait, open_shard,
+                                shard_bytes, shard_name, update_manifest)
+from eyas_common.lock import WRITER_GRACE_S, WriterWatch
 from eyas_common.samples import SampleLine, SynthTail
 
 from eyas_extract.batching import plan_shards
@@ -68,14 +69,14 @@ class Follower:
             say: Callable[[str], None]) -> None:
         """Extract shards as they become final, appending them to `plan`, until synth is complete and every
         shard is extracted; raise once what is decided is extracted when synth stopped partial."""
-        last, said_at = "", -WAIT_LOG_S
+        last, said_at, watch = "", -WAIT_LOG_S, WriterWatch()
         while True:
             if new := self.new_shards():
                 plan += new
                 extract(list(range(len(plan) - len(new), len(plan))))
             if self.tail.complete:
                 return
-            if self.tail.writer is None:
+            if watch.gone(self.tail.writer):
                 raise DatasetError(self.stopped_line(ds, len(plan)))
             line = self.waiting_line(len(plan))
             if line != last and time.monotonic() - said_at >= WAIT_LOG_S:
@@ -88,7 +89,8 @@ class Follower:
         tail = self.tail
         asked = (tail.manifest.get("params") or {}).get("n", "?")
         return (f"waiting for {tail.ds.ref}: {tail.n_decided} of {asked} ids decided ({len(tail.seen)} samples), "
-                f"{extracted} shards extracted; the next shard waits for id {tail.prefix}")
+                f"{extracted} shards extracted; the next shard waits for id {tail.prefix}"
+                + ("" if tail.writer else f"; no eyas-synth run writes it: waiting {WRITER_GRACE_S:.0f} s for one"))
 
     def stopped_line(self, ds: Dataset, extracted: int) -> str:
         sref = self.tail.ds.ref
@@ -97,14 +99,26 @@ class Follower:
                 f"(or accept its shortfall with --allow-missing), then rerun this one")
 
 
+class ConsumerDone(Exception):
+    """--disk-budget: the training run consuming the dataset is over; the shards still to make have no reader."""
+
+    def __init__(self, draft: str, shard: int):
+        super().__init__(draft)
+        self.draft, self.shard = draft, shard
+
+
 def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: int, next_bytes: int, *,
                     poll_s: float, say: Callable[[str], None]) -> None:
     """--disk-budget: before shard `shard` (`next_bytes`) is made, wait while the shards on disk would exceed
     `budget` with it (training with `eyas-train run --follow --consume` deletes them; one shard always goes).
     The wait is marked in the manifest while it lasts: a training run waiting for this very shard then knows
-    that the two wait on each other (a budget too small for its window) and stops with the fix."""
+    that the two wait on each other (a budget too small for its window) and stops with the fix. Once that run
+    is over (it stopped early, or its schedule ended before the data), ConsumerDone: nobody would read on."""
     said_at, marked = -WAIT_LOG_S, False
     while True:
+        if (draft := finished_consumer(ds)) is not None:
+            mark_budget_wait(ds, manifest, None)
+            raise ConsumerDone(draft, shard)
         held = shard_bytes(ds)
         if held == 0 or held + next_bytes <= budget:
             if marked:

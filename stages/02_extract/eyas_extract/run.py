@@ -38,7 +38,7 @@ from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_n
 
 from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
-from eyas_extract.follow import Follower, check_shards, list_shards, resume_terms, wait_for_budget
+from eyas_extract.follow import ConsumerDone, Follower, check_shards, list_shards, resume_terms, wait_for_budget
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
 
@@ -246,6 +246,9 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
         dist.destroy_process_group()
         if job.ranks.rank != 0:
             return stats
+    if "stopped" in stats:  # --follow under a budget whose training run is over: nothing to finalize
+        log(stats["stopped"])
+        return stats
     missing = missing_shards(job.ds, len(job.plan))
     if missing:
         log(f"{job.ds.ref}: {len(job.plan) - len(missing)} of {len(job.plan)} shards there; the other --shard parts "
@@ -436,8 +439,15 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
             job.todo += todo
             budgeted(todo)
 
-        budgeted(job.todo)
-        follower.run(job.plan, extract, ds=ds, say=log)
+        try:
+            budgeted(job.todo)
+            follower.run(job.plan, extract, ds=ds, say=log)
+        except ConsumerDone as done:
+            return ex.finish() | {"stopped": (
+                f"{ds.ref}: stopping before {shard_name(done.shard)}: {done.draft}, the training run that consumes "
+                f"it, is complete and reads or deletes no more shards (it ended before the data: an early stop or "
+                f"a shorter schedule). {ds.ref} stays partial, for {done.draft} alone; {job.sds.ref} keeps every "
+                f"sample (extract it under another --name for another run)")}
         stats = ex.finish()
     _refuse_corrupted(job.sds)  # complete now: its files must be what its manifest says, as for any run
     job.cfg.num_shards = manifest["params"]["num_shards"] = len(job.plan)

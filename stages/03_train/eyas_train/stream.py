@@ -28,7 +28,7 @@ import torch
 
 from eyas_common.contract import Dataset, DatasetError
 from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, shard_name
-from eyas_common.lock import describe
+from eyas_common.lock import WRITER_GRACE_S, WriterWatch, describe
 
 WAIT_LOG_S = 30.0  # a "waiting for" line is printed at most this often
 
@@ -61,13 +61,13 @@ def wait_for_shards(shards: HiddenShards, upto: int, *, poll_s: float, say: Call
     """Block until the first `upto` shards are listed, or the dataset is complete with fewer; the number of
     shards there. A dataset left partial with no eyas-extract run writing it stops the wait in one line, and
     so does `stuck(upto)` (asked at every poll) when the writer waits on this run in turn."""
-    said_at = -WAIT_LOG_S
+    said_at, watch = -WAIT_LOG_S, WriterWatch()
     while len(shards.files) < upto and not shards.complete:
         if shards.grow():
             continue
         if shards.complete:
             break
-        if shards.writer is None:
+        if watch.gone(shards.writer):
             raise DatasetError(f"{shards.ds.ref} stopped partial (no eyas-extract run is writing it) after "
                                f"{len(shards.files)} shards; resume it with the same `eyas-extract run --follow` "
                                f"command (make extract FOLLOW=1), then rerun this one to resume")
@@ -75,7 +75,8 @@ def wait_for_shards(shards: HiddenShards, upto: int, *, poll_s: float, say: Call
             stuck(upto)
         if time.monotonic() - said_at >= WAIT_LOG_S:
             say(f"waiting for {shards.ds.ref}: {len(shards.files)} shards final ({len(shards.samples)} samples), "
-                f"the next step needs shard {upto - 1}; written by {describe(shards.writer)}")
+                f"the next step needs shard {upto - 1}; written by {describe(shards.writer)}" if shards.writer else
+                f"waiting for {shards.ds.ref}: no eyas-extract run writes it; waiting {WRITER_GRACE_S:.0f} s for one")
             said_at = time.monotonic()
         time.sleep(poll_s)
     return min(upto, len(shards.files))

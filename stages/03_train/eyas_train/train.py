@@ -256,10 +256,12 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
     parallel.barrier(d)
     _train(s)
     _finish(s, t_start)
-    if s.consumption and d.main:  # every shard the run used, validation shards too, is past its last use now
-        c = s.consumption
-        used = set(range(c.dealt)) | set(c.last_use) | c.keep if _consuming_now(s) else set(range(len(s.shards.files)))
-        _consume(s, sorted(used - c.done))
+    if s.consumption and d.main:
+        # Every shard listed is past its last use now, the validation shards too, and so are those a run that
+        # ended before the data (an early stop, a shorter schedule) never reached: the dataset serves it alone.
+        if not s.shards.complete:
+            s.shards.grow()
+        _consume(s, sorted(set(range(len(s.shards.files))) - s.consumption.done))
     parallel.barrier(d)
     return out.path
 
