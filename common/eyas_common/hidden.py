@@ -179,13 +179,13 @@ def budget_wait(manifest: dict[str, Any], writer: dict[str, Any] | None) -> dict
 
 
 def finished_consumer(ds: Dataset) -> str | None:
-    """The draft that consumed `ds`, once its run is complete and over (no writer lock): it reads and deletes
-    no more shards, so a writer waiting under a disk budget has nobody left to wait for."""
+    """The draft that consumed `ds`, once complete: its run reads no more shards (it deletes, as it ends, every
+    one listed), so a writer waiting under a disk budget has nobody left to wait for."""
     by = {m.get("by") for m in consumed_marks(ds.read_manifest()).values()}
     if len(by) != 1:
         return None
     draft = Dataset.parse(str(by.pop()), "drafts", ds.root)
-    if any_holder(draft) is not None or not draft.manifest_path.exists():
+    if not draft.manifest_path.exists():
         return None
     return draft.ref if draft.read_manifest().get("status") == "complete" else None
 

@@ -126,9 +126,10 @@ def first_window(shards: HiddenShards, window: int, n_val: int) -> range:
 
 
 def stream_batches(shards: HiddenShards, *, window: int, val: set[int], batch_size: int, seed: int,
-                   wait: Callable[[int], int]) -> Iterator[tuple[list[int], int] | None]:
+                   wait: Callable[[int], int]) -> Iterator[tuple[list[int], int, set[int]] | None]:
     """The first pass's global batches (sample indices), each as soon as `wait` has its window's shards, with
-    the number of leading shards whose training samples are all dealt by then (--consume's bookkeeping).
+    --consume's bookkeeping: the shards taken in so far, and those of them holding a training sample not dealt
+    yet (the < B samples carried into the next window: every other shard taken is dealt in full).
     None comes before a wait for shards not taken yet: the reader ahead (data.prefetch) hands out the batch
     it holds instead of sitting on it through the wait."""
     buf: list[int] = []
@@ -144,7 +145,7 @@ def stream_batches(shards: HiddenShards, *, window: int, val: set[int], batch_si
         buf += [idx[j] for j in perm.tolist()]
         while len(buf) >= batch_size:
             batch, buf = buf[:batch_size], buf[batch_size:]
-            yield batch, shards.samples[min(buf)].shard if buf else there
+            yield batch, there, {shards.samples[i].shard for i in buf}
         if there < (w + 1) * window:
             return
         w += 1
@@ -159,15 +160,20 @@ class Consumption:
         self.shards = shards
         self.keep = {shards.samples[i].shard for i in val}
         self.last_use: dict[int, int] = {}  # shard -> the last step (0-based) whose batch holds a sample of it
-        self.dealt = 0                      # shards [0, dealt) have every training sample in a batch dealt
+        self.taken = 0                      # shards [0, taken) are in the windows dealt from so far
+        self.carried: set[int] = set()      # ... and these of them hold a training sample not dealt yet
         self.done: set[int] = set()         # consumed, by this run or an earlier session of it
 
-    def dealt_batch(self, step: int, batch: list[int], dealt: int) -> None:
+    def dealt_batch(self, step: int, batch: list[int], taken: int, carried: set[int]) -> None:
         for i in batch:
             self.last_use[self.shards.samples[i].shard] = step
-        self.dealt = max(self.dealt, dealt)
+        self.taken, self.carried = taken, carried
+
+    def all_dealt(self) -> None:
+        """The data is complete: what no batch took is past its last use too."""
+        self.taken, self.carried = len(self.shards.files), set()
 
     def due(self, steps_done: int) -> list[int]:
         """Shards whose every use is among the first `steps_done` steps (saved in a checkpoint now)."""
-        return [j for j in range(self.dealt) if j not in self.keep and j not in self.done
-                and self.last_use.get(j, -1) < steps_done]
+        return [j for j in range(self.taken) if j not in self.keep and j not in self.done
+                and j not in self.carried and self.last_use.get(j, -1) < steps_done]

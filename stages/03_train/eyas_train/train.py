@@ -428,15 +428,15 @@ def _shard_order(s: RunState) -> Iterator[list[int] | None]:
         if item is None:
             yield None
             continue
-        batch, dealt = item
+        batch, taken, carried = item
         if s.consumption:
-            s.consumption.dealt_batch(step, batch, dealt)
+            s.consumption.dealt_batch(step, batch, taken, carried)
         yield batch
         step += 1
         if step == r.total_steps:
             return
-    if s.consumption:  # the data is complete: what no batch took is past its last use too
-        s.consumption.dealt = len(s.shards.files)
+    if s.consumption:
+        s.consumption.all_dealt()
     if r.total_steps <= r.steps_per_epoch:  # a one-pass recipe: the run ends with the data
         return
     s.train_idx = [i for i in range(len(s.shards)) if i not in val]
