@@ -692,9 +692,12 @@ def _shards_due(s: RunState) -> bool:
 def _consume(s: RunState, shards: list[int]) -> None:
     """Delete shards used for the last time (their last step is in a checkpoint), marked in the hidden manifest."""
     if shards:
-        consume(s.shards.ds, [shard_name(j) for j in shards], by=s.out.ref, step=s.step)
-        say(f"consumed {len(shards)} shard(s) of {s.shards.ds.ref} (--consume): {shard_name(shards[0])}"
-            + (f" .. {shard_name(shards[-1])}" if len(shards) > 1 else ""))
+        names = [shard_name(j) for j in shards]
+        consume(s.shards.ds, names, by=s.out.ref, step=s.step)
+        run = shards[-1] - shards[0] == len(shards) - 1  # a contiguous run of shards, or one
+        which = f"{names[0]} .. {names[-1]}" if run and len(names) > 1 else ", ".join(names[:3]) + \
+            (f" and {len(names) - 3} more" if len(names) > 3 else "")
+        say(f"consumed {len(shards)} shard(s) of {s.shards.ds.ref} (--consume): {which}")
 
 
 def _refuse_budget_deadlock(s: RunState, upto: int) -> None:
