@@ -205,15 +205,21 @@ def test_followed_training_on_two_processes_equals_one_offline(data, fixture_tar
     assert_same_training(root, "streamed_two", atol=1e-4)
 
 
+def consuming(data: tuple[Path, Dataset], target: Path, monkeypatch, name: str) -> tuple[Path, list[str], LiveHidden]:
+    """(root, shard names, hidden/NAME listed as extract lists it, its writer held), with drafts/offline1, the
+    one-pass offline draft a consuming run must equal."""
+    root, hidden = data
+    monkeypatch.setenv("EYAS_DATA", str(root))
+    train_offline(root, hidden, target, "offline1", ONE_PASS)
+    live = LiveHidden(root, hidden, name)
+    live.start_writer()
+    return root, shard_names(hidden), live
+
+
 @pytest.mark.slow
 def test_consuming_one_pass_deletes_each_shard_after_its_last_use_through_a_kill(data, fixture_target, monkeypatch,
                                                                                   tmp_path):
-    root, hidden = data
-    monkeypatch.setenv("EYAS_DATA", str(root))
-    train_offline(root, hidden, fixture_target, "offline1", ONE_PASS)
-    names = shard_names(hidden)
-    live = LiveHidden(root, hidden, "eaten")
-    live.start_writer()
+    root, names, live = consuming(data, fixture_target, monkeypatch, "eaten")
     live.add(*names[:4])
     log = tmp_path / "consume.log"
     proc = follow_cli(root, fixture_target, "eaten", "eater", log, "--consume", *ONE_PASS)
@@ -255,12 +261,7 @@ def test_consuming_training_killed_at_random_moments_equals_offline(data, fixtur
     and weight for weight (no shard trained on twice or skipped)."""
     seed = int(os.environ.get("EYAS_KILL_SEED") or time.time_ns() % 100_000)
     rng, moments = random.Random(seed), []
-    root, hidden = data
-    monkeypatch.setenv("EYAS_DATA", str(root))
-    train_offline(root, hidden, fixture_target, "offline1", ONE_PASS)
-    names = shard_names(hidden)
-    live = LiveHidden(root, hidden, "shot")
-    live.start_writer()
+    root, names, live = consuming(data, fixture_target, monkeypatch, "shot")
     log, ckpts = tmp_path / "shot.log", root / "drafts" / "shot" / "checkpoints"
     for k in range(3):  # two more shards each time: the run never runs out of work to be killed in
         live.add(*names[2 * k:2 * k + 2])
