@@ -5,6 +5,8 @@ Both are measured in this one process, over the same shards and the same padded 
   throughput ratio = extraction tokens/s (hooks, encode, shard writes) / bare forward tokens/s   goal >= 0.95
   bytes ratio      = shard bytes per token / (4 * H * 2), the bf16 layout of 3 aux states + final
                      for the default layout, and for --teacher topk --aux-dtype fp8              goal <= 0.5
+  disk write       bytes/s of an fsync'd 1 GiB write in the data folder, and the tokens/s ceiling it sets
+                   at each layout's bytes per token (where the ratio falls short on a GPU, this says why)
 The target is the tiny trained fixture (8 layers, H 128, CPU), or with --big a random-init Llama of
 24 layers, H 1024 in bf16 for a GPU (bench/gpu.sh). The synth dataset is made here: fixture
 prompts followed by random completion tokens, lengths uniform in [--min-len, --max-len].
@@ -18,6 +20,7 @@ import argparse
 import hashlib
 import importlib.util
 import json
+import os
 import random
 import shutil
 import sys
@@ -99,6 +102,23 @@ def bare_forward(model: torch.nn.Module, batches: list[torch.Tensor], device: to
     return real_tokens / (time.perf_counter() - t0)
 
 
+def disk_write_speed(folder: Path, nbytes: int) -> float:
+    """Bytes/s of writing `nbytes` to a new file in `folder` and fsyncing it, as a shard is committed: the
+    ceiling of extraction's tokens/s is this over its bytes per token (on a fast GPU the disk, not the
+    forward, can be what extraction waits on)."""
+    chunk = memoryview(bytearray(torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()))
+    path = folder / "disk-probe.bin"
+    t0 = time.perf_counter()
+    with open(path, "wb") as f:
+        for done in range(0, nbytes, len(chunk)):
+            f.write(chunk[:min(len(chunk), nbytes - done)])
+        f.flush()
+        os.fsync(f.fileno())
+    seconds = time.perf_counter() - t0
+    path.unlink()
+    return nbytes / seconds
+
+
 @dataclass
 class Measured:
     """What one bench run measured: the extraction runs' and the bare forwards' tokens/s, and the layouts."""
@@ -115,6 +135,7 @@ class Measured:
     vllm_tps: float | None = None           # the vllm backend, one run, where this Python has vLLM
     bpt: float = 0.0                        # bytes per token, default layout
     bpt_small: float = 0.0                  # bytes per token, topk + fp8
+    disk: list[float] = field(default_factory=list)      # bytes/s of an fsync'd write in the data folder
 
 
 def padded_batches(root: Path, cfg: ExtractConfig) -> tuple[list[list], list[torch.Tensor], int]:
@@ -147,6 +168,7 @@ def measure(root: Path, target: Path, device: torch.device, args: argparse.Names
             m.ext.append(extract(name=f"x{rep}", **common)["tokens_per_s"])
         small = extract(name=f"topk-fp8-{rep}", teacher="topk", topk=args.topk, aux_dtype="fp8", **common)
         m.small_tps.append(small["tokens_per_s"])
+        m.disk.append(disk_write_speed(root, min(1 << 30, int(small["dataset"]["bytes_per_token"] * real))))
     del model, decoder
     if importlib.util.find_spec("vllm") is not None:  # the vllm backend too, where this Python has it
         if device.type == "cuda":
@@ -170,6 +192,10 @@ def report(m: Measured, target: Path, device: torch.device, args: argparse.Names
               f"{m.vllm_tps / max(m.bare):.3f})")
     print(f"throughput ratio:       {max(m.ext) / max(m.bare):10.3f}          (goal >= 0.95; topk+fp8 "
           f"{max(m.small_tps) / max(m.bare):.3f}; bf16 vs the decoder alone {max(m.ext) / max(m.body):.3f})")
+    disk = max(m.disk)
+    print(f"disk write (fsync'd):   {disk / 1e9:10.2f} GB/s   = a ceiling of {disk / m.bpt:,.0f} tokens/s bf16 (extraction "
+          f"at {max(m.ext) * m.bpt / disk:.0%} of it), {disk / m.bpt_small:,.0f} topk+fp8 "
+          f"({max(m.small_tps) * m.bpt_small / disk:.0%})")
     print(f"bytes/token bf16+final: {m.bpt:10,.1f} = {m.bpt / unit:.3f} x 4*H*2 ({unit:,} B)")
     print(f"bytes/token topk{args.topk}+fp8: {m.bpt_small:10,.1f} = {m.bpt_small / unit:.3f} x 4*H*2   (goal <= 0.5)")
     sys.stdout.flush()

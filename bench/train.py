@@ -98,10 +98,12 @@ def samples_for(cfg: DraftConfig, lengths: list[int], seed: int) -> list[dict[st
 
 
 def timed(fn: Callable[[], None], min_seconds: float, device: torch.device) -> tuple[float, int]:
-    """Seconds of the fastest call and calls timed. The first call warms up (allocations, kernels) and is
-    the one timed when it took over WARM_UP_SECONDS (one-off costs are small against it); else calls repeat
-    until min_seconds. On a CPU, the process's own CPU time over its threads: on a machine shared with
-    other work, wall time would time the neighbours too (on a quiet one the two agree)."""
+    """Seconds of the fastest call and calls timed. The first call warms up (allocations, kernels). On a GPU it
+    is never timed: growing the allocator's pool can take seconds there (measured on an H200: 9.0 s for a
+    first Llama-8B-sized TTT step that then ran in well under one). On a CPU it is the one timed when it took
+    over WARM_UP_SECONDS (one-off costs are small against it); else calls repeat until min_seconds. On a CPU,
+    the process's own CPU time over its threads: on a machine shared with other work, wall time would time
+    the neighbours too (on a quiet one the two agree)."""
     if device.type == "cuda":
         def clock() -> float:
             torch.cuda.synchronize()
@@ -112,7 +114,7 @@ def timed(fn: Callable[[], None], min_seconds: float, device: torch.device) -> t
     t0 = clock()
     fn()
     first = clock() - t0
-    if first > WARM_UP_SECONDS:
+    if first > WARM_UP_SECONDS and device.type != "cuda":
         return first, 1
     best, start = math.inf, clock()
     calls = 0
@@ -171,7 +173,8 @@ def bench_shape(shape: str, a: argparse.Namespace, device: torch.device) -> dict
             s, calls = timed(train_step(draft, a.ttt_steps, batch, device, a.max_rows), a.min_seconds, device)
             out[f"{layout} {n}"] = sum(lengths) / s
             print(f"  {shape} batch {n} {layout}: {batch['input_ids'].shape[0]} rows x {batch['input_ids'].shape[1]}"
-                  f" slots for {sum(lengths)} tokens, {s:.2f} s/step (best of {calls})", flush=True)
+                  f" slots for {sum(lengths)} tokens, {s:.2f} s/step (best of {calls}){peak_memory(device)}",
+                  flush=True)
             if layout == "packed":
                 s_bare, _ = timed(train_step(draft, 1, batch, device, a.max_rows), a.min_seconds, device)
                 out[f"bare {n}"] = sum(lengths) / s_bare
@@ -179,6 +182,13 @@ def bench_shape(shape: str, a: argparse.Namespace, device: torch.device) -> dict
                     out[f"mfu {n}"] = model_flops(draft.cfg, batch, a.ttt_steps) / s / peak_flops(a)
             del batch  # one layout's teacher probabilities in memory at a time
     return out
+
+
+def peak_memory(device: torch.device) -> str:
+    """The GPU memory the cells so far peaked at (the allocator's pool, not the process's)."""
+    if device.type != "cuda":
+        return ""
+    return f", peak {torch.cuda.max_memory_allocated() / 2**30:.1f} GiB"
 
 
 def peak_flops(a: argparse.Namespace) -> float:

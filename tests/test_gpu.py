@@ -1,5 +1,6 @@
 """The GPU paths against the CPU ones on the same data: extraction on a CUDA device (bf16; flash-attn where it is
-installed) gives the hidden states of the CPU fp32 run, and training on the GPU reaches the CPU run's accuracy.
+installed) gives the hidden states of the CPU fp32 run, and training on the GPU (EAGLE-3 and DFlash) reaches the
+CPU run's accuracy.
 Marked `gpu`: skipped without a CUDA device (bench/gpu.sh runs them on a lent GPU). On CPU, asking for flash-attn
 falls back in one line instead of failing."""
 
@@ -75,3 +76,23 @@ def test_training_on_the_gpu_reaches_the_cpu_accuracy(root, fixture_target):
         assert r.returncode == 0, r.stderr[-3000:]
     final = {n: Dataset.parse(n, "drafts", root).read_manifest()["stats"]["final"] for n in ("d_cpu", "d_gpu")}
     assert final["d_gpu"]["step_acc"] == pytest.approx(final["d_cpu"]["step_acc"], abs=0.05), final
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_dflash_on_the_gpu_matches_the_cpu(root, fixture_target):
+    """DFlash's five layers extracted on the GPU (fp8, top-k) and a DFlash draft trained there: the same
+    states as the CPU's, and the CPU run's per-slot accuracy."""
+    layout = ("--method", "dflash", "--teacher", "topk", "--topk", "4", "--aux-dtype", "fp8")
+    cpu = open_hidden(extract(root, fixture_target, "h5_cpu", *layout, "--device", "cpu").ref, root)
+    gpu = open_hidden(extract(root, fixture_target, "h5_gpu", *layout, "--device", "cuda", "--dtype", "bf16").ref, root)
+    for j in range(len(cpu)):
+        cos = torch.nn.functional.cosine_similarity(cpu.aux(j).float(), gpu.aux(j).float(), dim=-1)
+        assert cos.min() > 0.97, (j, cos.min())  # fp8 storage of bf16 compute against fp8 of fp32
+    for name, cpu_only in (("f_cpu", True), ("f_gpu", False)):
+        r = stage(root, "eyas-train", "run", "--hidden", "hidden/h5_cpu", "--model", str(fixture_target),
+                  "--name", name, "--method", "dflash", "--anchors", "16", "--epochs", "2", "--batch-size", "4",
+                  "--log-every", "1", cpu_only=cpu_only)
+        assert r.returncode == 0, r.stderr[-3000:]
+    final = {n: Dataset.parse(n, "drafts", root).read_manifest()["stats"]["final"] for n in ("f_cpu", "f_gpu")}
+    assert final["f_gpu"]["step_acc"] == pytest.approx(final["f_cpu"]["step_acc"], abs=0.05), final

@@ -116,9 +116,11 @@ def _merged(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor
 
 
 def _fused(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], first: torch.Tensor) -> torch.Tensor:
-    """One SDPA call over all steps' keys with the explicit TTT mask: the memory-efficient kernel on GPU
-    never materialises the scores. flash-attn is not used: its backward drops the log-sum-exp gradient
-    that merging the diagonal keys into a causal block would need."""
+    """One SDPA call over all steps' keys with the explicit TTT mask. On an H200 (torch 2.11) SDPA runs it in
+    cuDNN's kernel, grouped KV heads and mask included, without materialising the scores: measured at 32/8
+    heads, one packed row of 4,096 tokens and 7 steps, 22 ms forward + backward in 0.5 GiB, against 194 ms and
+    57 GiB for the math kernel (the memory-efficient one refuses grouped heads). flash-attn is not used: its
+    backward drops the log-sum-exp gradient that merging the diagonal keys into a causal block would need."""
     return F.scaled_dot_product_attention(q, torch.cat(keys, dim=2), torch.cat(values, dim=2),
                                           attn_mask=ttt_mask(first, len(keys)),
                                           enable_gqa=q.shape[1] != keys[0].shape[1])
