@@ -29,9 +29,9 @@ from safetensors.torch import load_file
 import eyas_common.lock
 from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset, sha256_file
-from eyas_common.hidden import consumed_marks, made_shards, update_manifest
+from eyas_common.hidden import consumed_marks, made_shards, parse_size, size_text, update_manifest
 from eyas_common.lock import WriterLock
-from eyas_extract.cli import DiskSize
+
 from eyas_testing.datasets import build_datasets
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.peak import PeakBytes
@@ -138,6 +138,18 @@ def assert_same_training(root: Path, name: str, atol: float, offline: str = "off
 
 
 @pytest.mark.slow  # training processes killed and rerun: not in `make test-fast`
+
+def test_a_budget_named_in_a_refusal_reads_back_as_at_least_the_bytes_it_names():
+    """The budget a deadlock line tells the user to give, typed back into --disk-budget, is never below the
+    bytes the line computed (three digits, rounded up), and both spellings come from one owner."""
+    for n in (1, 999, 1000, 1001, 313_001, 1_640_000, 1_249_999_999, 7.5e11, 3.2e12):
+        text = size_text(n)
+        assert parse_size(text) >= n and parse_size(text) <= n * 1.01 + 1, (n, text)
+    assert size_text(1_640_000) == "1.64M" and size_text(313_001) == "314K" and parse_size("1.5GB") == 1_500_000_000
+    with pytest.raises(ValueError, match="not a size: expected e.g. 50G"):
+        parse_size("lots")
+
+
 def test_followed_training_killed_and_rerun_equals_offline_shard_order(data, fixture_target, monkeypatch, tmp_path):
     root, hidden = data
     monkeypatch.setenv("EYAS_DATA", str(root))
@@ -358,7 +370,7 @@ def test_a_disk_budget_too_small_for_training_stops_it_in_one_line_and_the_fix_i
     m = Dataset.parse("tight", "hidden", root).read_manifest()
     assert m["status"] == "complete" and "budget_wait" not in m
     assert all(e.get("consumed", {}).get("by") == "drafts/tight" for e in m["files"] if e["name"].startswith("shard-"))
-    assert 0 < peak.peak <= DiskSize().convert(budget, None, None), (peak.peak, budget)
+    assert 0 < peak.peak <= parse_size(budget), (peak.peak, budget)
     assert_same_training(root, "tight", atol=1e-5, offline="offline_v4", records=6)  # 5 steps, a validation
 
 

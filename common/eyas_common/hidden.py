@@ -91,6 +91,25 @@ def read_runs(ds: Dataset) -> list[dict[str, Any]]:
 
 
 BUDGET_WAIT = "budget_wait"  # manifest key, present while extract waits for room under its --disk-budget
+SIZE_UNITS = {"T": 10**12, "G": 10**9, "M": 10**6, "K": 10**3, "": 1}  # decimal, as disks are sold
+
+
+def parse_size(text: str) -> int:
+    """Bytes of a --disk-budget value: 50G, 500M, 2T, 1.5GB or a plain number (G = 10^9 bytes). ValueError
+    names what was expected."""
+    body = str(text).strip().upper().removesuffix("B")
+    unit = body[-1:] if body[-1:] in SIZE_UNITS else ""
+    try:
+        return int(float(body[: len(body) - len(unit)]) * SIZE_UNITS[unit])
+    except ValueError:
+        raise ValueError(f"{text!r} is not a size: expected e.g. 50G, 500M, 2T or a number of bytes") from None
+
+
+def size_text(n: float) -> str:
+    """n bytes as a --disk-budget value no smaller than n, to three significant digits: 313K, 1.25G."""
+    unit, size = next((u, s) for u, s in SIZE_UNITS.items() if n >= s or s == 1)
+    scale = 10 ** (2 - int(math.log10(max(n / size, 1))))  # 1 <= n / size < 1000: keep three digits
+    return f"{math.ceil(n / size * scale) / scale:g}{unit}"
 CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
 
 

@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup
+from eyas_common.hidden import parse_size
 from eyas_common.methods import METHODS
 from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS, ExtractOptions
 from eyas_extract.run import finalize_dataset
@@ -35,20 +36,17 @@ def _max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -
 
 
 class DiskSize(click.ParamType):
-    """A size in bytes: 50G, 500M, 2T, 1.5GB or a plain number (decimal units: G = 10^9 bytes)."""
+    """A size in bytes, as eyas_common.hidden spells a disk budget: 50G, 500M, 2T, 1.5GB or a number."""
 
     name = "SIZE"
-    UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9, "T": 10**12}
 
     def convert(self, value, param, ctx) -> int:
         if isinstance(value, int):
             return value
-        text = str(value).strip().upper().removesuffix("B")
-        unit = text[-1:] if text[-1:] in self.UNITS else ""
         try:
-            size = int(float(text[: len(text) - len(unit)]) * self.UNITS[unit])
-        except ValueError:
-            self.fail(f"{value!r} is not a size: expected e.g. 50G, 500M, 2T or a number of bytes", param, ctx)
+            size = parse_size(value)
+        except ValueError as e:
+            self.fail(str(e), param, ctx)
         if size <= 0:
             self.fail(f"{value!r}: a budget must be above 0", param, ctx)
         return size

@@ -19,7 +19,6 @@ the steps; if more arrive, the first pass is longer and the schedule ends before
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -97,15 +96,6 @@ def largest_shard(shards: HiddenShards, wait: dict[str, Any]) -> int:
     """The bytes of the largest shard listed so far or waited for (later ones are guessed no larger)."""
     listed = [e["bytes"] for e in shards.manifest.get("files") or [] if e["name"].startswith("shard-")]
     return max([wait["bytes"], *listed])
-
-
-def budget_arg(n: float) -> str:
-    """n bytes as a --disk-budget value, rounded up to three significant digits: 313K, 1.25G."""
-    for unit, size in (("T", 10**12), ("G", 10**9), ("M", 10**6), ("K", 10**3), ("", 1)):
-        if n >= size:
-            break
-    scale = 10 ** (2 - int(math.log10(max(n / size, 1))))  # 1 <= n / size < 1000: keep three digits
-    return f"{math.ceil(n / size * scale) / scale:g}{unit}"
 
 
 def deadlock_line(shards: HiddenShards, wait: dict[str, Any], held: int, *, why: str, fix: str) -> str:

@@ -26,7 +26,7 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, 
                                   check_target, finalize, input_ref, iter_jsonl, new_manifest, open_input, open_output,
                                   write_jsonl_atomic)
 from eyas_common.drafts import BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
-from eyas_common.hidden import HiddenShards, consume, shard_name
+from eyas_common.hidden import HiddenShards, consume, shard_name, size_text
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_train import parallel
@@ -38,7 +38,7 @@ from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
-from eyas_train.stream import (Consumption, budget_arg, deadlock_line, expected_samples, extract_blocked,
+from eyas_train.stream import (Consumption, deadlock_line, expected_samples, extract_blocked,
                                first_window, largest_shard, stream_batches, wait_for_shards)
 from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
@@ -716,7 +716,7 @@ def _refuse_budget_deadlock(s: RunState, upto: int) -> None:
         why = (f"this run needs {shard_name(upto - 1)} before it can free a shard (it keeps its {keep} validation "
                f"shard(s) to the end, up to {carry} more for a batch that spans two windows, and reads "
                f"--window-shards {w} at a time)")
-        fix = (f"Rerun extract with --disk-budget {budget_arg(most * largest)} or more ({most} shards of up to "
+        fix = (f"Rerun extract with --disk-budget {size_text(most * largest)} or more ({most} shards of up to "
                f"{largest / 1e6:,.2f} MB), or this run with a smaller --window-shards or --batch-size")
     else:
         why = (f"this run's recipe takes {s.recipe.total_steps} steps, more than one pass "
@@ -732,7 +732,7 @@ def _refuse_first_window_deadlock(shards: HiddenShards, cfg: TrainConfig) -> Non
         w, largest = cfg.window_shards, largest_shard(shards, blocked[0])
         raise DatasetError(deadlock_line(
             shards, *blocked, why=f"this run reads its first --window-shards {w} shards before it trains or frees any",
-            fix=f"Rerun extract with a --disk-budget well above {budget_arg(w * largest)} ({w} shards of up to "
+            fix=f"Rerun extract with a --disk-budget well above {size_text(w * largest)} ({w} shards of up to "
                 f"{largest / 1e6:,.2f} MB; the run also keeps its validation shards, and those of a batch that spans "
                 f"two windows), or this run with a smaller --window-shards"))
 
