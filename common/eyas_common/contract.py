@@ -15,6 +15,7 @@ from __future__ import annotations
 import datetime as _dt
 import errno
 import hashlib
+import io
 import json
 import os
 import platform
@@ -195,6 +196,15 @@ def atomic_output(path: Path) -> Iterator[Path]:
 def atomic_write(path: Path, data: bytes | str) -> None:
     with atomic_output(path) as tmp, open(tmp, "wb") as f:
         f.write(data.encode() if isinstance(data, str) else data)
+
+
+def write_png_atomic(path: Path, fig: Any) -> Path:
+    """A matplotlib Figure (made without pyplot, so nothing holds it after) as a PNG at `path`, replaced
+    atomically."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    atomic_write(path, buf.getvalue())
+    return path
 
 
 def write_json_atomic(path: Path, obj: Any) -> None:

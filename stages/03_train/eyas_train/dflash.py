@@ -45,14 +45,14 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
-from eyas_train.model import MLP, Eagle3Draft, RMSNorm, Rotary, apply_rope, upcast
+from eyas_train.model import MLP, Eagle3Draft, LayerShape, RMSNorm, Rotary, apply_rope, upcast
 
 # Rows of [rows, vocabulary] logits computed at once in the loss (each chunk recomputed in the backward pass).
 CE_CHUNK_ROWS = 1024
 
 
 @dataclass(frozen=True)
-class DFlashConfig:
+class DFlashConfig(LayerShape):
     """Shape of a DFlash draft; every field is written to the exported config.json (dflash_export.py)."""
 
     vocab_size: int                 # the target's vocabulary (inputs and outputs are target ids)
@@ -60,12 +60,6 @@ class DFlashConfig:
     target_hidden_size: int         # width of each feature layer
     num_features: int               # target layers concatenated into fc's input
     num_hidden_layers: int          # draft decoder layers
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
     block_size: int                 # B: the anchor token and B - 1 masked slots
     mask_token_id: int
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})

@@ -29,7 +29,19 @@ Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class DraftConfig:
+class LayerShape:
+    """The shape of a Llama-style decoder layer, as both draft methods build theirs (fields by keyword)."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+
+
+@dataclass(frozen=True)
+class DraftConfig(LayerShape):
     """Shape of the draft; every field is written to the exported config.json."""
 
     vocab_size: int                 # the target's vocabulary (input tokens are target ids)
@@ -37,12 +49,6 @@ class DraftConfig:
     hidden_size: int                # draft width; equals the target's, since the embedding is the target's
     target_hidden_size: int         # width of each aux state
     num_aux: int                    # aux states concatenated into fc's input (3 for EAGLE-3)
-    num_attention_heads: int
-    num_key_value_heads: int
-    head_dim: int
-    intermediate_size: int
-    rms_norm_eps: float
-    max_position_embeddings: int
     rope_parameters: dict[str, Any] = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
     norm_before_residual: bool = False
 

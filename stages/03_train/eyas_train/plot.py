@@ -5,21 +5,17 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from eyas_common.contract import atomic_write, iter_jsonl
+from eyas_common.contract import iter_jsonl, write_png_atomic
 
 
 def plot_log(log: Path, png: Path) -> Path:
-    import io
-
-    import matplotlib
-
-    matplotlib.use("Agg")  # headless: training hosts have no display
-    import matplotlib.pyplot as plt
+    from matplotlib.figure import Figure  # drawn off-screen, with no pyplot state: no display needed
 
     everything = [r for _, r in iter_jsonl(log)]
     records = [r for r in everything if "loss" in r]  # training records; validation ones have val_* keys
     vals = [r for r in everything if "val_step_acc" in r]
-    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_loss, ax_acc = fig.subplots(1, 2)
     steps = [r["step"] for r in records]
     ax_loss.plot(steps, [r["loss"] for r in records], color="black", label="weighted total")
     n_steps = len(records[0]["step_acc"]) if records else 0
@@ -36,8 +32,4 @@ def plot_log(log: Path, png: Path) -> Path:
         if records:
             ax.legend(fontsize=7)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(png, buf.getvalue())
-    return png
+    return write_png_atomic(png, fig)

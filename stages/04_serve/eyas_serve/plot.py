@@ -2,20 +2,17 @@
 
 from __future__ import annotations
 
-import io
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import atomic_write
+from eyas_common.contract import write_png_atomic
 
 
 def plot_results(results: dict[str, Any], png: Path) -> Path:
-    import matplotlib
+    from matplotlib.figure import Figure  # drawn off-screen, with no pyplot state: no display needed
 
-    matplotlib.use("Agg")  # headless: benchmark hosts have no display
-    import matplotlib.pyplot as plt
-
-    fig, (ax_pos, ax_tps) = plt.subplots(1, 2, figsize=(11, 4))
+    fig = Figure(figsize=(11, 4))
+    ax_pos, ax_tps = fig.subplots(1, 2)
     spec = results.get("spec") or {}
     per_pos = [p for p in spec.get("per_position") or [] if p is not None]
     if per_pos:
@@ -37,8 +34,4 @@ def plot_results(results: dict[str, Any], png: Path) -> Path:
         ax.grid(alpha=0.3)
     ax_tps.legend()
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    atomic_write(png, buf.getvalue())
-    return png
+    return write_png_atomic(png, fig)
