@@ -35,11 +35,14 @@ PAD, BOS = "[PAD]", "[BOS]"
 # Kimi-K2.5's format. Reasoning is kept only for assistant turns after the last user turn (earlier
 # reasoning is dropped, as K2.5 does), and the generation prompt opens the thinking block so the
 # completion starts inside the reasoning; `thinking=False` closes it at once.
-CHAT_TEMPLATE = """\
+# The fixtures' templates open alike: ns.last_user, the index of the last user turn (reasoning is kept after it).
+LAST_USER = """\
 {%- set ns = namespace(last_user=-1) -%}
 {%- for m in messages -%}
   {%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
 {%- endfor -%}
+"""
+CHAT_TEMPLATE = LAST_USER + """\
 {%- for m in messages -%}
   {%- if m['role'] == 'system' -%}
     <|im_system|>system<|im_middle|>{{ m['content'] or '' }}<|im_end|>
@@ -77,13 +80,13 @@ LLAMA_CONFIG: dict[str, Any] = {
     "eval_prompts": 20,
 }
 
-DEEPSEEK_CONFIG: dict[str, Any] = {
-    "vocab_size": 3000,
+# A tiny DeepSeek-V3 text model's shape, for this fixture and the Kimi one (K2.5's text model is DeepSeek-V3's).
+DEEPSEEK_SHAPE: dict[str, Any] = {
     "hidden_size": 128,
     "intermediate_size": 320,
     "moe_intermediate_size": 64,
     "num_hidden_layers": 8,
-    "first_k_dense_replace": 6,  # layers 6 and 7 are MoE
+    "first_k_dense_replace": 6,  # layers 6 and 7 are MoE, as in K2.5 after its first layer
     "n_routed_experts": 8,
     "num_experts_per_tok": 2,
     "n_shared_experts": 1,
@@ -92,6 +95,11 @@ DEEPSEEK_CONFIG: dict[str, Any] = {
     "num_attention_heads": 4,
     "num_key_value_heads": 4,
     "q_lora_rank": 64,
+}
+
+DEEPSEEK_CONFIG: dict[str, Any] = {
+    "vocab_size": 3000,
+    **DEEPSEEK_SHAPE,
     # vLLM's CPU MLA only takes these two values; keeping them lets the fixture serve there too.
     "kv_lora_rank": 512,
     "qk_rope_head_dim": 64,
@@ -447,6 +455,26 @@ def _evaluate(model: Any, tokenizer: Any, n: int, seed: int) -> dict[str, float]
     return {"format_rate": fmt / n, "answer_rate": correct / n}
 
 
+def train_fixture(model: Any, tokenizer: Any, cfg: dict[str, Any], seed: int, t0: float, *, kind: str
+                  ) -> dict[str, Any]:
+    """Train a fixture target on its conversations (cfg's steps, batch size and threads) and score it on
+    held-out prompts: the record its eyas_fixture.json keeps. `t0`: when its build started."""
+    import torch
+
+    batches = _batches(tokenizer, seed, cfg["steps"], cfg["batch_size"])
+    _log(f"{len(batches)} batches ready ({time.monotonic() - t0:.0f}s)")
+    threads = torch.get_num_threads()
+    torch.set_num_threads(cfg["threads"])  # the same thread count keeps the build reproducible
+    try:
+        loss = _train(model, batches, cfg)
+        train_s = time.monotonic() - t0
+        metrics = _evaluate(model, tokenizer, cfg["eval_prompts"], seed)
+    finally:
+        torch.set_num_threads(threads)
+    _log(f"{kind} held-out: {metrics}")
+    return {"kind": kind, "seed": seed, "final_loss": loss, "train_s": round(train_s, 1), **metrics}
+
+
 def _build_llama(out: Path, seed: int) -> None:
     import torch
     from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM
@@ -474,20 +502,9 @@ def _build_llama(out: Path, seed: int) -> None:
     )
     model = LlamaForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=ids[END], bos_token_id=ids[BOS], pad_token_id=ids[PAD])
-    batches = _batches(tokenizer, seed, cfg["steps"], cfg["batch_size"])
-    _log(f"{len(batches)} batches ready ({time.monotonic() - t0:.0f}s)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])  # the same thread count keeps the build reproducible
-    try:
-        loss = _train(model, batches, cfg)
-        train_s = time.monotonic() - t0
-        metrics = _evaluate(model, tokenizer, cfg["eval_prompts"], seed)
-    finally:
-        torch.set_num_threads(threads)
-    _log(f"held-out: {metrics}")
+    info = train_fixture(model, tokenizer, cfg, seed, t0, kind="llama")
     model.save_pretrained(out)
     _save_tokenizer(tokenizer, out)
-    info = {"kind": "llama", "seed": seed, "final_loss": loss, "train_s": round(train_s, 1), **metrics}
     (out / "eyas_fixture.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

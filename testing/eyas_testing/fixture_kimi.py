@@ -24,16 +24,17 @@ import time
 from pathlib import Path
 from typing import Any
 
-from eyas_testing.fixture import (_batches, _cached, _evaluate, _log, _tokenizer_corpus, _train)
+from eyas_testing.fixture import CHAT_TEMPLATE as LLAMA_TEMPLATE
+from eyas_testing.fixture import DEEPSEEK_SHAPE, _cached, _log, _tokenizer_corpus, train_fixture
 
 REMOTE_CODE = Path(__file__).with_name("kimi_k25")
 REMOTE_FILES = ("configuration_kimi_k25.py", "modeling_kimi_k25.py", "tokenization_kimi.py")
 KIND = "kimi_k25"
 
-# K2.5's layout: turns as <|im_role|>role<|im_middle|>...<|im_end|>; the generation prompt opens the
-# reasoning (`<think>`), or closes it at once when `thinking` is false; reasoning of turns before the
-# last user turn is dropped; text parts of list content are joined, other parts are refused.
-CHAT_TEMPLATE = """\
+# K2.5's layout, which the Llama fixture's template already is (turns as <|im_role|>role<|im_middle|>...<|im_end|>;
+# the generation prompt opens the reasoning, or closes it at once when `thinking` is false; reasoning of turns
+# before the last user turn is dropped), here with list content too: text parts are joined, others refused.
+TEXT_OF_CONTENT = """\
 {%- macro text(c) -%}
   {%- if c is string -%}{{ c }}
   {%- elif c is none -%}
@@ -42,46 +43,14 @@ CHAT_TEMPLATE = """\
     {%- else -%}{{ raise_exception('this target takes text parts only, not ' ~ p['type']) }}{%- endif -%}
   {%- endfor -%}{%- endif -%}
 {%- endmacro -%}
-{%- set ns = namespace(last_user=-1) -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
-{%- endfor -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'system' -%}
-    <|im_system|>system<|im_middle|>{{ text(m['content']) }}<|im_end|>
-  {%- elif m['role'] == 'user' -%}
-    <|im_user|>user<|im_middle|>{{ text(m['content']) }}<|im_end|>
-  {%- elif m['role'] == 'assistant' -%}
-    <|im_assistant|>assistant<|im_middle|><think>
-    {%- if loop.index0 > ns.last_user -%}{{ m['reasoning_content'] or m['reasoning'] or '' }}{%- endif -%}
-    </think>{{ text(m['content']) }}<|im_end|>
-  {%- else -%}
-    {{ raise_exception('unsupported role ' ~ m['role']) }}
-  {%- endif -%}
-{%- endfor -%}
-{%- if add_generation_prompt -%}
-  <|im_assistant|>assistant<|im_middle|><think>
-  {%- if thinking is defined and thinking is false -%}</think>{%- endif -%}
-{%- endif -%}
 """
+CHAT_TEMPLATE = TEXT_OF_CONTENT + LLAMA_TEMPLATE.replace("m['content'] or ''", "text(m['content'])")
 
 # Everything that shapes the built files (with the source digest, the cache key).
 KIMI_CONFIG: dict[str, Any] = {
     "base_vocab": 2800,  # tiktoken ranks; 256 special slots follow (Kimi: 163584 + 256)
     "text": {
-        "hidden_size": 128,
-        "intermediate_size": 320,
-        "moe_intermediate_size": 64,
-        "num_hidden_layers": 8,
-        "first_k_dense_replace": 6,  # layers 6 and 7 are MoE, as Kimi's text model after its first layer
-        "n_routed_experts": 8,
-        "num_experts_per_tok": 2,
-        "n_shared_experts": 1,
-        "n_group": 1,
-        "topk_group": 1,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 4,
-        "q_lora_rank": 64,
+        **DEEPSEEK_SHAPE,
         "kv_lora_rank": 32,  # small MLA ranks: this target is served by HF generation, not vLLM's CPU MLA
         "qk_rope_head_dim": 16,
         "qk_nope_head_dim": 32,
@@ -207,22 +176,10 @@ def _build_kimi(out: Path, seed: int) -> None:
     ids = config.text_config
     model.generation_config = GenerationConfig(eos_token_id=ids.eos_token_id, bos_token_id=ids.bos_token_id,
                                                pad_token_id=ids.pad_token_id)
-    cfg = KIMI_CONFIG
-    batches = _batches(tokenizer, seed, cfg["steps"], cfg["batch_size"])
-    _log(f"{len(batches)} batches ready ({time.monotonic() - t0:.0f}s)")
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])  # the same thread count keeps the build reproducible
-    try:
-        loss = _train(model, batches, cfg)
-        train_s = time.monotonic() - t0
-        metrics = _evaluate(model, tokenizer, cfg["eval_prompts"], seed)
-    finally:
-        torch.set_num_threads(threads)
-    _log(f"held-out: {metrics}")
+    info = train_fixture(model, tokenizer, KIMI_CONFIG, seed, t0, kind=KIND)
     model.save_pretrained(out)
     # save_pretrained rewrites config.json without the auto_map of a class it did not load by it.
     (out / "config.json").write_text(json.dumps(model_config(tokenizer), indent=2) + "\n")
-    info = {"kind": KIND, "seed": seed, "final_loss": loss, "train_s": round(train_s, 1), **metrics}
     (out / "eyas_fixture.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

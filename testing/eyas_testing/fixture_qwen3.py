@@ -20,11 +20,7 @@ IM_START, IM_END, PAD = "<|im_start|>", "<|im_end|>", "<|endoftext|>"
 # Qwen3's layout: every turn `<|im_start|>role\n...<|im_end|>\n`; reasoning only for the assistant turn
 # after the last user turn; `enable_thinking=False` writes an empty thinking block into the prompt (`thinking`,
 # fixture.py's switch, is taken too, so its training conversations render here unchanged).
-CHAT_TEMPLATE = """\
-{%- set ns = namespace(last_user=-1) -%}
-{%- for m in messages -%}
-  {%- if m['role'] == 'user' -%}{%- set ns.last_user = loop.index0 -%}{%- endif -%}
-{%- endfor -%}
+CHAT_TEMPLATE = base.LAST_USER + """\
 {%- for m in messages -%}
   {%- if m['role'] in ('system', 'user') -%}
     {{ '<|im_start|>' ~ m['role'] ~ '\n' ~ (m['content'] or '') ~ '<|im_end|>\n' }}
@@ -95,19 +91,9 @@ def _build_qwen3(out: Path, seed: int) -> None:
         dtype="float32")
     model = Qwen3ForCausalLM(config)
     model.generation_config = GenerationConfig(eos_token_id=ids[IM_END], pad_token_id=ids[PAD])
-    batches = base._batches(tokenizer, seed, cfg["steps"], cfg["batch_size"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(cfg["threads"])  # the same thread count keeps the build reproducible
-    try:
-        loss = base._train(model, batches, cfg)
-        train_s = time.monotonic() - t0
-        metrics = base._evaluate(model, tokenizer, cfg["eval_prompts"], seed)
-    finally:
-        torch.set_num_threads(threads)
-    base._log(f"qwen3 held-out: {metrics}")
+    info = base.train_fixture(model, tokenizer, cfg, seed, t0, kind="qwen3")
     model.save_pretrained(out)
     base._save_tokenizer(tokenizer, out)
-    info = {"kind": "qwen3", "seed": seed, "final_loss": loss, "train_s": round(train_s, 1), **metrics}
     (out / "eyas_fixture.json").write_text(json.dumps(info, indent=2) + "\n")
 
 

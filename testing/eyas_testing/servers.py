@@ -15,7 +15,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from eyas_serve.config import LaunchConfig
-from eyas_serve.engines import default_vllm_python, engine_env, vllm_command, vllm_cpu_env
+from eyas_serve.engines import default_vllm_python, engine_command, engine_env, vllm_cpu_env
 from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
 
 __all__ = ["VllmServer", "default_vllm_python", "free_port", "log_tail", "running_hf_server", "running_vllm",
@@ -54,7 +54,7 @@ def start_vllm(
         raise FileNotFoundError(f"no vLLM interpreter at {python}: run `make vllm` (or set EYAS_VLLM_PYTHON)")
     cfg = LaunchConfig(engine="vllm", model=str(model), spec_tokens=spec_tokens, port=port or free_port(),
                        python=str(python), engine_args=(*CPU_ARGS, *extra_args))
-    cmd = vllm_command(cfg, Path(draft) if draft else None)
+    cmd = engine_command(cfg, Path(draft) if draft else None)
     return start_server(cmd, port=cfg.port, log_path=log_path, env={**engine_env(cfg), **(env or {})},
                         host=cfg.host)
 

@@ -1,4 +1,4 @@
-"""The engine command lines: target + EAGLE-3 draft on vLLM or SGLang (the draft folder: eyas_common.drafts).
+"""The engine command lines: target + draft (EAGLE-3 or DFlash) on vLLM or SGLang (the draft folder: eyas_common.drafts).
 
 vLLM   python -m vllm.entrypoints.openai.api_server --model T --tensor-parallel-size N
            --speculative-config '{"method": "eagle3", "model": D, "num_speculative_tokens": K}'
@@ -57,38 +57,41 @@ def speculative_config(draft_dir: Path, spec_tokens: int) -> dict:
     return {"method": draft_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
 
 
-def vllm_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
-    cmd = [engine_python(cfg), "-m", "vllm.entrypoints.openai.api_server", "--model", cfg.model,
-           "--host", cfg.host, "--port", str(cfg.port), "--tensor-parallel-size", str(cfg.tp)]
+# engine: (server module, flag of the target's path, flag of the tensor-parallel size)
+SERVERS = {"vllm": ("vllm.entrypoints.openai.api_server", "--model", "--tensor-parallel-size"),
+           "sglang": ("sglang.launch_server", "--model-path", "--tp-size")}
+
+
+def server_command(cfg: LaunchConfig) -> list[str]:
+    """The engine's server with the target, address, tensor parallelism and the switches both spell alike."""
+    module, model_flag, tp_flag = SERVERS[cfg.engine]
+    cmd = [engine_python(cfg), "-m", module, model_flag, cfg.model, "--host", cfg.host, "--port", str(cfg.port),
+           tp_flag, str(cfg.tp)]
     if cfg.disable_custom_all_reduce:
         cmd.append("--disable-custom-all-reduce")
     if cfg.trust_remote_code:
         cmd.append("--trust-remote-code")
-    if draft_dir is not None:
-        cmd += ["--speculative-config", json.dumps(speculative_config(draft_dir, cfg.spec_tokens))]
-    return cmd + list(cfg.engine_args)
+    return cmd
 
 
-def sglang_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
-    cmd = [engine_python(cfg), "-m", "sglang.launch_server", "--model-path", cfg.model,
-           "--host", cfg.host, "--port", str(cfg.port), "--tp-size", str(cfg.tp)]
-    if cfg.disable_custom_all_reduce:
-        cmd.append("--disable-custom-all-reduce")
-    if cfg.trust_remote_code:
-        cmd.append("--trust-remote-code")
-    if draft_dir is not None and draft_method(draft_dir) == "dflash":
+def vllm_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
+    return ["--speculative-config", json.dumps(speculative_config(draft_dir, cfg.spec_tokens))]
+
+
+def sglang_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
+    if draft_method(draft_dir) == "dflash":
         # SGLang drafts the config's block_size - 1 tokens a block; it has no per-request K for DFlash.
-        cmd += ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir)]
-    elif draft_dir is not None:
-        # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
-        cmd += ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-                "--speculative-num-steps", str(cfg.spec_tokens), "--speculative-eagle-topk", "1",
-                "--speculative-num-draft-tokens", str(cfg.spec_tokens + 1)]
-    return cmd + list(cfg.engine_args)
+        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir)]
+    # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
+    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
+            "--speculative-num-steps", str(cfg.spec_tokens), "--speculative-eagle-topk", "1",
+            "--speculative-num-draft-tokens", str(cfg.spec_tokens + 1)]
 
 
 def engine_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
-    return (vllm_command if cfg.engine == "vllm" else sglang_command)(cfg, draft_dir)
+    """The whole command line: the server, the draft's arguments (none without a draft), then --engine-args."""
+    draft_args = vllm_draft_args if cfg.engine == "vllm" else sglang_draft_args
+    return server_command(cfg) + (draft_args(cfg, draft_dir) if draft_dir is not None else []) + list(cfg.engine_args)
 
 
 def engine_env(cfg: LaunchConfig) -> dict[str, str]:
