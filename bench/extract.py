@@ -106,7 +106,7 @@ def disk_write_speed(folder: Path, nbytes: int) -> float:
     """Bytes/s of writing `nbytes` to a new file in `folder` and fsyncing it, as a shard is committed: the
     ceiling of extraction's tokens/s is this over its bytes per token (on a fast GPU the disk, not the
     forward, can be what extraction waits on)."""
-    chunk = memoryview(bytearray(torch.randint(0, 256, (64 << 20,), dtype=torch.uint8).numpy().tobytes()))
+    chunk = memoryview(os.urandom(64 << 20))  # incompressible, as hidden states are
     path = folder / "disk-probe.bin"
     t0 = time.perf_counter()
     with open(path, "wb") as f:
@@ -193,8 +193,8 @@ def report(m: Measured, target: Path, device: torch.device, args: argparse.Names
     print(f"throughput ratio:       {max(m.ext) / max(m.bare):10.3f}          (goal >= 0.95; topk+fp8 "
           f"{max(m.small_tps) / max(m.bare):.3f}; bf16 vs the decoder alone {max(m.ext) / max(m.body):.3f})")
     disk = max(m.disk)
-    print(f"disk write (fsync'd):   {disk / 1e9:10.2f} GB/s   = a ceiling of {disk / m.bpt:,.0f} tokens/s bf16 (extraction "
-          f"at {max(m.ext) * m.bpt / disk:.0%} of it), {disk / m.bpt_small:,.0f} topk+fp8 "
+    print(f"disk write (fsync'd):   {disk / 1e9:10.2f} GB/s   = a ceiling of {disk / m.bpt:,.0f} tokens/s bf16 "
+          f"(extraction at {max(m.ext) * m.bpt / disk:.0%} of it), {disk / m.bpt_small:,.0f} topk+fp8 "
           f"({max(m.small_tps) * m.bpt_small / disk:.0%})")
     print(f"bytes/token bf16+final: {m.bpt:10,.1f} = {m.bpt / unit:.3f} x 4*H*2 ({unit:,} B)")
     print(f"bytes/token topk{args.topk}+fp8: {m.bpt_small:10,.1f} = {m.bpt_small / unit:.3f} x 4*H*2   (goal <= 0.5)")

@@ -91,6 +91,7 @@ def read_runs(ds: Dataset) -> list[dict[str, Any]]:
 
 
 BUDGET_WAIT = "budget_wait"  # manifest key, present while extract waits for room under its --disk-budget
+CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
 SIZE_UNITS = {"T": 10**12, "G": 10**9, "M": 10**6, "K": 10**3, "": 1}  # decimal, as disks are sold
 
 
@@ -110,7 +111,6 @@ def size_text(n: float) -> str:
     unit, size = next((u, s) for u, s in SIZE_UNITS.items() if n >= s or s == 1)
     scale = 10 ** (2 - int(math.log10(max(n / size, 1))))  # 1 <= n / size < 1000: keep three digits
     return f"{math.ceil(n / size * scale) / scale:g}{unit}"
-CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
 
 
 def consumed_marks(manifest: dict[str, Any]) -> dict[str, dict[str, Any]]:

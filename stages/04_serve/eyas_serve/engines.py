@@ -1,4 +1,4 @@
-"""The engine command lines: target + draft (EAGLE-3 or DFlash) on vLLM or SGLang (the draft folder: eyas_common.drafts).
+"""The engine command lines: target + draft (EAGLE-3 or DFlash; eyas_common.drafts) on vLLM or SGLang.
 
 vLLM   python -m vllm.entrypoints.openai.api_server --model T --tensor-parallel-size N
            --speculative-config '{"method": "eagle3", "model": D, "num_speculative_tokens": K}'
