@@ -47,6 +47,7 @@ step() {
     local rc=$?
     echo "$name rc=$rc $((SECONDS - t0)) s" | tee -a "$OUT/summary.txt"
     tail -n 25 "$OUT/$name.log"
+    return $rc
 }
 
 # install: carried wheels over the machine's own CUDA torch where .whl/ is here, else a venv from PyPI
@@ -67,7 +68,9 @@ print('torch', torch.__version__, 'transformers', transformers.__version__, torc
 export -f install_packages pin
 
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
-step install 240 bash -c install_packages
+step install 240 bash -c install_packages ||
+    { echo "bench/gpu.sh: the install step failed, so nothing else ran: $OUT/install.log says why (this script needs" \
+        "a CUDA device and, without .whl/, PyPI)"; exit 1; }
 [ -x "$VENV/bin/python" ] && . "$VENV/bin/activate"
 export EYAS_VLLM_PYTHON="$(command -v python3)"
 step gpu-tests 170 python3 -m pytest tests/test_gpu.py -q -m gpu -p no:cacheprovider
