@@ -18,6 +18,7 @@ CPU its time is the process's CPU time over its threads (wall time on a shared m
     .venv/bin/python bench/train.py            # fixture and SmolLM2-135M shapes (draft vocab 32,000 and 8,192)
     .venv/bin/python bench/train.py --quick    # fixture shape and SmolLM2 with 8,192 only, less timing
     python bench/train.py --shapes llama8b --batches 4,64   # a Llama-3-8B-sized draft on a GPU (adds MFU)
+    .venv/bin/python bench/train.py --precision fp32,bf16    # bf16 autocast against fp32, side by side
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ import torch
 
 from eyas_train.data import collate
 from eyas_train.model import DraftConfig, Eagle3Draft
+from eyas_train.parallel import autocast
 from eyas_train.ttt import UnrolledLoss, step_counts
 
 # name: (hidden, heads, kv heads, head dim, ffn, target vocab, draft vocab)
@@ -58,10 +60,15 @@ def args() -> argparse.Namespace:
                    help="rows per micro-batch (0: the whole batch at once); 16 fits a padded batch of 38 in ~8 GB")
     p.add_argument("--threads", type=int, default=None,
                    help="CPU threads [default: torch's]; 1 times steadily on a machine shared with other work")
+    p.add_argument("--precision", default="auto",
+                   help="comma-separated, each of auto, fp32, bf16 (eyas-train's --precision, resolved the same way), "
+                        "one row per shape and precision [default: auto]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="--shapes fixture,smollm2-8k --min-seconds 0")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak, TFLOP/s")
     a = p.parse_args()
+    if bad := set(a.precision.split(",")) - {"auto", "fp32", "bf16"}:
+        p.error(f"--precision {','.join(sorted(bad))}: expected auto, fp32 or bf16 (comma-separated)")
     if a.quick:
         a.shapes, a.min_seconds = "fixture,smollm2-8k", 0.0
     return a
@@ -126,7 +133,7 @@ def timed(fn: Callable[[], None], min_seconds: float, device: torch.device) -> t
 
 
 def train_step(draft: Eagle3Draft, steps: int, batch: dict[str, torch.Tensor], device: torch.device,
-               max_rows: int) -> Callable[[], None]:
+               max_rows: int, precision: str) -> Callable[[], None]:
     """One forward + backward of the unrolled loss over a collated batch, as eyas-train's _forward runs it;
     over more than `max_rows` rows, as micro-batches of rows with the whole batch's denominators (the same
     work and gradients, in less memory)."""
@@ -139,7 +146,7 @@ def train_step(draft: Eagle3Draft, steps: int, batch: dict[str, torch.Tensor], d
     def step() -> None:
         for part in parts:
             m = {k: v[part] for k, v in b.items()}
-            with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
+            with autocast(precision, device):
                 loss, _ = loss_fn(m["input_ids"], m["aux"], m["target_p"], m["target_top"], m["loss_mask"], denom,
                                   positions=m["positions"], segment=m["segment"])
             loss.backward()
@@ -161,22 +168,24 @@ def model_flops(cfg: DraftConfig, batch: dict[str, torch.Tensor], steps: int) ->
     return 3 * 2 * (tokens * (fc + steps * layer) + counted * h * cfg.draft_vocab_size + attn / 2)
 
 
-def bench_shape(shape: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """This shape's cells at each batch: useful tokens/s of the TTT step packed and padded, and of the bare
-    step packed."""
+def bench_shape(shape: str, precision: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
+    """This shape's cells at each batch in one precision: useful tokens/s of the TTT step packed and padded,
+    and of the bare step packed."""
     draft, out = draft_for(shape, device), {}
     for n in [int(x) for x in a.batches.split(",")]:
         lengths = lengths_for(n, a.min_len, a.max_len, a.seed + n)
         samples = samples_for(draft.cfg, lengths, a.seed)
         for layout in ("packed", "padded"):
             batch = collate(samples, packed=layout == "packed")
-            s, calls = timed(train_step(draft, a.ttt_steps, batch, device, a.max_rows), a.min_seconds, device)
+            step = train_step(draft, a.ttt_steps, batch, device, a.max_rows, precision)
+            s, calls = timed(step, a.min_seconds, device)
             out[f"{layout} {n}"] = sum(lengths) / s
-            print(f"  {shape} batch {n} {layout}: {batch['input_ids'].shape[0]} rows x {batch['input_ids'].shape[1]}"
+            rows, slots = batch["input_ids"].shape
+            print(f"  {shape} {precision} batch {n} {layout}: {rows} rows x {slots}"
                   f" slots for {sum(lengths)} tokens, {s:.2f} s/step (best of {calls}){peak_memory(device)}",
                   flush=True)
             if layout == "packed":
-                s_bare, _ = timed(train_step(draft, 1, batch, device, a.max_rows), a.min_seconds, device)
+                s_bare, _ = timed(train_step(draft, 1, batch, device, a.max_rows, precision), a.min_seconds, device)
                 out[f"bare {n}"] = sum(lengths) / s_bare
                 if device.type == "cuda":
                     out[f"mfu {n}"] = model_flops(draft.cfg, batch, a.ttt_steps) / s / peak_flops(a)
@@ -197,14 +206,14 @@ def peak_flops(a: argparse.Namespace) -> float:
     return peak or math.nan
 
 
-def report(results: dict[str, dict[str, float]], a: argparse.Namespace) -> None:
+def report(results: dict[tuple[str, str], dict[str, float]], a: argparse.Namespace) -> None:
     batches, steps, gpu = [int(x) for x in a.batches.split(",")], a.ttt_steps, torch.cuda.is_available()
     cell = f" {{:>9}} {{:>8}} {{:>5}} {{:>9}} {{:>{8 if gpu else 0}}} |"
-    print(f"{'':<12} {'':>5} {'':>7} |" + "".join(cell.format(f"batch {n}", "", "", "", "") for n in batches))
-    print(f"{'shape':<12} {'H':>5} {'draft V':>7} |"
+    print(f"{'':<12} {'':>5} {'':>7} {'':>5} |" + "".join(cell.format(f"batch {n}", "", "", "", "") for n in batches))
+    print(f"{'shape':<12} {'H':>5} {'draft V':>7} {'prec':>5} |"
           + cell.format("packed", "padded", "x", "TTT/bare", "MFU" if gpu else "") * len(batches))
-    for shape, r in results.items():
-        line = f"{shape:<12} {SHAPES[shape][0]:>5} {SHAPES[shape][-1]:>7} |"
+    for (shape, precision), r in results.items():
+        line = f"{shape:<12} {SHAPES[shape][0]:>5} {SHAPES[shape][-1]:>7} {precision:>5} |"
         for n in batches:
             packed, padded, bare = r[f"packed {n}"], r[f"padded {n}"], r[f"bare {n}"]
             line += cell.format(f"{packed:,.0f}", f"{padded:,.0f}", f"{packed / padded:.2f}",
@@ -221,7 +230,8 @@ def main() -> None:
     print(f"device {where}; {a.ttt_steps} TTT steps; sample lengths log-uniform {a.min_len}-{a.max_len} "
           f"(seed {a.seed}); useful (non-padding) tokens/s, forward + backward", flush=True)
     t0 = time.perf_counter()
-    results = {shape: bench_shape(shape, a, device) for shape in a.shapes.split(",")}
+    results = {(shape, precision): bench_shape(shape, precision, a, device)
+               for shape in a.shapes.split(",") for precision in a.precision.split(",")}
     print(f"\n{time.perf_counter() - t0:.0f} s. Useful tokens/s of a TTT step packed and padded; x: packed over padded "
           f"(goal >= 1.5 at the large batch); TTT/bare: TTT tokens/s over bare tokens/s (packed) times "
           f"{a.ttt_steps}, i.e. against the 1/{a.ttt_steps} ideal (goal >= 0.9)")

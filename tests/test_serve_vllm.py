@@ -165,11 +165,12 @@ def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_d
     root = trained_draft.root
     prompts = write_prompts_jsonl(root / "heldout_ctrl_c.jsonl", 40, seed=12)
     b = subprocess.Popen([EYAS_SERVE, "bench", "--server", served.url, "--prompts", str(prompts), "--name",
-                          "interrupted", "--concurrency", "1", "--num-prompts", "400", "--warmup", "0"],
+                          "interrupted", "--concurrency", "1", "--num-prompts", "4000", "--warmup", "0"],
                          env={**os.environ, "EYAS_DATA": str(root)},
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     manifest = Dataset.parse("interrupted", "bench", root).manifest_path
-    # interrupt once the server is working on the bench's first request (400 one at a time last far longer)
+    # interrupt once the server is working on one of the bench's requests (4,000 one at a time last minutes: 400
+    # once ended in 35 s with no poll of the gauge catching one in flight)
     # (judged once per poll: asking the gauge again after the loop raced a request that had just ended)
     deadline, in_flight = time.monotonic() + 120, False
     while not in_flight and time.monotonic() < deadline:

@@ -21,6 +21,7 @@ from eyas_common.contract import Dataset, DatasetError, verify
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_train.cli import main as train_cli
 from eyas_train.eval import evaluate
+from eyas_train.parallel import native_bf16_cpu
 from eyas_train.train import export_checkpoint
 
 from eyas_testing.datasets import build_datasets
@@ -69,6 +70,9 @@ def test_cli_run_writes_a_complete_draft(data, fixture_target, monkeypatch):
     assert m["target"]["tokenizer_sha256"] == hidden.read_manifest()["target"]["tokenizer_sha256"]
     assert m["producer"]["stage"] == "03_train" and m["params"]["config"]["ttt_steps"] == 3
     assert m["params"]["total_steps"] == 12 and m["stats"]["draft_vocab"] == 512
+    # --precision auto: bf16 where this CPU multiplies bf16 natively, recorded and printed as resolved
+    resolved = "bf16" if native_bf16_cpu() else "fp32"
+    assert m["params"]["precision"] == resolved and f"cpu in {resolved};" in r.output
     assert 0 < m["stats"]["vocab_coverage"] <= 1 and len(m["stats"]["final"]["step_acc"]) == 3
     names = {f["name"] for f in m["files"]}
     assert {"config.json", "model.safetensors", "training.png", "train_log.jsonl"} <= names
@@ -124,10 +128,12 @@ def run_cli(args: list[str], root: Path, procs: int = 1) -> subprocess.Completed
 @pytest.mark.slow  # torchrun training: not in `make test-fast`
 def test_torchrun_two_processes_equal_one(data, fixture_target, mode):
     root, hidden = data
+    # fp32: bf16 products (--precision auto on a CPU with bf16) round each rank's partial sums apart
+    fp32 = ("--epochs", "2", "--precision", "fp32")
     if not (root / "drafts" / "single").exists():
-        r = run_cli(cmd(hidden, fixture_target, "single", "--epochs", "2"), root)
+        r = run_cli(cmd(hidden, fixture_target, "single", *fp32), root)
         assert r.returncode == 0, r.stderr[-3000:]
-    r = run_cli(cmd(hidden, fixture_target, f"two_{mode}", "--epochs", "2", "--parallel", mode), root, procs=2)
+    r = run_cli(cmd(hidden, fixture_target, f"two_{mode}", *fp32, "--parallel", mode), root, procs=2)
     assert r.returncode == 0, r.stderr[-3000:]
     m = Dataset.parse(f"two_{mode}", "drafts", root).read_manifest()
     assert m["params"]["world"] == 2 and m["status"] == "complete"

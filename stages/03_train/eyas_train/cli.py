@@ -85,7 +85,9 @@ def main() -> None:
 @click.option("--parallel", type=click.Choice(["ddp", "fsdp"]), default=D["parallel"].default,
               help="Data parallelism under torchrun (FSDP2 shards parameters and optimiser state).")
 @click.option("--precision", type=click.Choice(["auto", "fp32", "bf16"]), default=D["precision"].default,
-              help="auto: bf16 autocast on GPU, fp32 on CPU.")
+              help="Matmul precision of the forward pass: bf16 autocast (weights and optimiser stay fp32) or fp32; "
+                   "auto: bf16 on a GPU and on a CPU with native bf16 (AVX512-BF16 or AMX: about 2x fp32 there), "
+                   "else fp32.")
 @click.option("--ckpt-every", type=click.IntRange(min=1), default=D["ckpt_every"].default, help="Optimiser steps between checkpoints.")
 @click.option("--keep-ckpts", type=click.IntRange(min=1), default=D["keep_ckpts"].default, help="Newest checkpoints kept.")
 @click.option("--allow-code-change", is_flag=True,

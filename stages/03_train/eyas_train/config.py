@@ -47,7 +47,7 @@ class TrainConfig:
     poll_seconds: float = 5.0       # --follow: seconds between looks at the hidden manifest
     consume: bool = False           # --order shards: delete each shard after its last use (stream.Consumption)
     parallel: str = "ddp"           # under torchrun: ddp or fsdp (FSDP2); ignored in one process
-    precision: str = "auto"         # auto: bf16 autocast on GPU, fp32 on CPU; or fp32 / bf16
+    precision: str = "auto"         # auto: bf16 autocast on GPU and on CPUs with native bf16, else fp32; or fp32 / bf16
     ckpt_every: int = 200           # optimiser steps between checkpoints (and one at the end)
     keep_ckpts: int = 2             # newest checkpoints kept
     log_every: int = 10             # optimiser steps between progress lines and log records

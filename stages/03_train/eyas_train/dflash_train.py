@@ -11,7 +11,6 @@ manifest's params.draft.
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -169,8 +168,7 @@ class DFlashMethod:
         anchors, real = anchors.to(s.d.device), real.to(s.d.device)
         inner = getattr(s.module, "module", s.module)  # DDP keeps the module inside
         denom = parallel.all_sum(inner.denominator(batch["loss_mask"], anchors, real, batch["segment"]), s.d)
-        bf16 = s.cfg.precision == "bf16" or (s.cfg.precision == "auto" and s.d.device.type == "cuda")
-        with torch.autocast(s.d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
+        with parallel.autocast(s.cfg.precision, s.d.device):
             return s.module(batch["input_ids"], batch["aux"].float(), batch["loss_mask"], anchors, real, denom,
                             positions=batch["positions"], segment=batch["segment"])
 

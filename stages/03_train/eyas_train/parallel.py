@@ -3,6 +3,7 @@ plain process when torchrun did not start us."""
 
 from __future__ import annotations
 
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -41,6 +42,27 @@ def init() -> Dist:
     if not dist.is_initialized():
         dist.init_process_group("nccl" if cuda else "gloo")
     return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu"))
+
+
+def native_bf16_cpu() -> bool:
+    """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there oneDNN's bf16 matmuls run about
+    twice as fast as fp32 ones (bench/train.py --precision fp32,bf16)."""
+    probes = ("_is_avx512_bf16_supported", "_is_amx_tile_supported")
+    return any(getattr(torch.cpu, name, lambda: False)() for name in probes)
+
+
+def resolve_precision(precision: str, device: torch.device) -> str:
+    """`bf16` or `fp32` for --precision: `auto` is bf16 on a GPU and on a CPU with native bf16 matmuls."""
+    if precision != "auto":
+        return precision
+    return "bf16" if device.type == "cuda" or native_bf16_cpu() else "fp32"
+
+
+def autocast(precision: str, device: torch.device) -> AbstractContextManager:
+    """The forward pass in --precision: bf16 autocast (bf16 matmuls; fp32 weights, optimiser state and loss
+    sums) or plain fp32."""
+    bf16 = resolve_precision(precision, device) == "bf16"
+    return torch.autocast(device.type, dtype=torch.bfloat16) if bf16 else nullcontext()
 
 
 def shutdown(d: Dist) -> None:

@@ -243,6 +243,7 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
     s = _setup(cfg, d, hidden_ds, hidden_m, out, ckpt, data_root)
     run_params = {"config": cfg.to_dict(), "recipe": s.recipe.to_dict(), "draft": s.dcfg.__dict__,
                   "aux_layers": s.aux_layers, "world": d.world, "teacher": s.shards.teacher,
+                  "precision": parallel.resolve_precision(cfg.precision, d.device),
                   "steps_per_epoch": s.recipe.steps_per_epoch, "total_steps": s.recipe.total_steps}
     if d.main:
         _prepare_folder(out, manifest | {"params": run_params}, s.start)
@@ -250,8 +251,8 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
         say(f"{r.train_samples} training samples (+{r.val_samples} held out for validation), {r.tokens_per_sample:.0f} "
             f"tokens each: batch {r.batch_size} ({cfg.batching}), {r.steps_per_epoch} steps/epoch x {r.epochs:g} "
             f"epochs = {r.total_steps} steps, peak lr {r.lr:.2g}, warm-up {r.warmup_steps} steps, on {d.world} "
-            f"process(es), {d.device}; draft vocab {s.vocab.d2t.numel()} of {s.dcfg.vocab_size} covers "
-            f"{s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct)"
+            f"process(es), {d.device} in {run_params['precision']}; draft vocab {s.vocab.d2t.numel()} of "
+            f"{s.dcfg.vocab_size} covers {s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct)"
             + (f"; resuming at step {s.start}" if s.start else ""))
     parallel.barrier(d)
     _train(s)
@@ -460,8 +461,7 @@ def _forward(s: RunState, batch: dict[str, torch.Tensor], leads: list[torch.Tens
     target_p, target_top = s.teacher(batch)
     mask = batch["loss_mask"]
     denom = parallel.all_sum(step_counts(mask, s.cfg.ttt_steps, batch["segment"]), s.d)
-    bf16 = s.cfg.precision == "bf16" or (s.cfg.precision == "auto" and s.d.device.type == "cuda")
-    with torch.autocast(s.d.device.type, dtype=torch.bfloat16) if bf16 else nullcontext():
+    with parallel.autocast(s.cfg.precision, s.d.device):
         return s.module(batch["input_ids"], batch["aux"].float(), target_p, target_top, mask, denom,
                         positions=batch["positions"], segment=batch["segment"], leads=leads)
 
