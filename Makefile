@@ -53,6 +53,8 @@ DRAFT        ?=
 EVAL_ARGS    ?=
 # make demo's target: tiny (the fixture, built here) or smollm2 (SmolLM2-135M-Instruct from its PyPI wheel)
 TARGET       ?= tiny
+# make demo's draft method: eagle3, or dflash (extracted, trained and served as a DFlash draft)
+METHOD       ?= eagle3
 # draft tokens per step: make eval and make serve
 SPEC_TOKENS  ?= 3
 # pytest options of test, test-fast and test-images, e.g. PYTEST_ARGS='-k synth'
@@ -268,8 +270,11 @@ test: install vllm ## run every test, as CI does (CPU; starts real vLLM servers 
 test-fast: install ## the tests not marked slow: no vLLM, no trained draft, no Kimi build (minutes) [PYTEST_ARGS]
 	$(call pytest,,tests -m 'not slow')
 
-demo: install ## the whole chain through the make targets, on CPU (data in data/demo[-TARGET]) [TARGET=tiny|smollm2]
-	EYAS_DATA=$(CURDIR)/data/demo$(if $(filter-out tiny,$(TARGET)),-$(TARGET)) DEMO_TARGET=$(TARGET) $(PY) demo.py
+# data/demo, data/demo-smollm2, data/demo-dflash, data/demo-smollm2-dflash
+DEMO_DATA = $(CURDIR)/data/demo$(subst -tiny,,-$(TARGET))$(subst -eagle3,,-$(METHOD))
+demo: install ## the whole chain through the make targets, on CPU (data in data/demo[-TARGET][-METHOD])
+##   [TARGET=tiny|smollm2 METHOD=eagle3|dflash]
+	EYAS_DATA=$(DEMO_DATA) DEMO_TARGET=$(TARGET) DEMO_METHOD=$(METHOD) $(PY) demo.py
 
 # --- the stages ---
 synth eval: MOUNT_PATHS = $(MODEL) $(PROMPTS)

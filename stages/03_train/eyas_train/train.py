@@ -602,7 +602,8 @@ def _finish(s: RunState, t_start: float) -> None:
     say(f"wrote {s.out.path}: {s.train_s:.0f}s of training over all sessions, "
         f"{time.monotonic() - t_start:.0f}s in this one")
     if val:
-        k = min(PREDICT_SPEC_TOKENS, len(val["val_predicted"]))
+        # EAGLE-3 at the K it is usually served at; DFlash at its block size - 1, the K it is served at
+        k = len(val["val_predicted"]) if s.method else min(PREDICT_SPEC_TOKENS, len(val["val_predicted"]))
         say(f"validation at step {s.best['step']}: accuracy per step " + "/".join(f"{a:.2f}" for a in
             val["val_step_acc"]) + f"; predicted acceptance length at {k} speculative tokens "
             f"{val['val_predicted'][k - 1]:.2f} (the validation samples replayed as a greedy verifier accepts "
