@@ -4,15 +4,17 @@ For each tiny thinking target and data size:
   1. synth N answers of the target through vLLM (CPU) to training prompts (eyas-synth);
   2. extract its hidden states (eyas-extract, hf);
   3. train one draft with the defaults (the recipe resolved from the data) and one with the hand recipe;
-  4. serve target + draft in vLLM at 3 speculative tokens and answer held-out prompts (problems of the
-     fixture's held-out split: neither training nor the rule ever saw them); read the acceptance length
-     from vLLM's spec-decode counters.
+  4. serve target + draft in vLLM at 3 speculative tokens and run `eyas-serve bench` on held-out prompts
+     (problems of the fixture's held-out split: neither training nor the rule ever saw them) at 1 and 16
+     requests in flight, against the target served alone: the acceptance length from vLLM's spec-decode
+     counters, the speedup from tokens/s.
 Targets: `llama` (fixture.py: Kimi-style template that opens `<think>` in the prompt, 8 layers, vocab 3000),
 `qwen3` (fixture_qwen3.py: Qwen3 architecture that emits `<think>` itself, 10 layers, vocab 4000), and the
 real `smollm2` (SmolLM2-135M-Instruct from its PyPI wheel: 30 layers, vocab 49,152, no thinking), which
 answers real questions (realprompts.py: TruthfulQA, MMLU, HumanEval; held-out ones for the measurement).
 It prints one row per target x size x method: acceptance with the defaults and with the hand recipe, their
-ratio, the acceptance `eyas-train run` predicted from its validation slice against vLLM's, and training times.
+ratio, the acceptance `eyas-train run` predicted from its validation slice against vLLM's, the speedups, and
+training times.
 `--method eagle3,dflash` trains both draft methods on the same synth answers (each from its own extraction:
 DFlash reads five layers) and measures EAGLE-3 at 3 speculative tokens, DFlash at its block size - 1 (the K
 its blocks were trained for; vLLM runs K + 1 queries, so another K would show it blocks it never saw).
@@ -33,9 +35,11 @@ import json
 import os
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
+from eyas_common.bench import read_results
 from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
 from eyas_common.drafts import read_config
 from eyas_common.methods import METHODS
@@ -44,10 +48,11 @@ from eyas_testing.fixture_qwen3 import build_qwen3_fixture
 from eyas_testing.fixture_smollm2 import build_smollm2_fixture
 from eyas_common.realprompts import write_real_prompts
 from eyas_testing.servers import running_vllm
-from eyas_testing.acceptance import vllm_acceptance
+from eyas_serve.bench import run as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_TOKENS, HELDOUT = 3, 40
+SPEEDUP_AT = (1, 16)  # requests in flight of each cell's speedup (draft over the target alone, tokens/s)
 # target name -> (builder, vLLM flags for synth, vLLM flags for the measurement, prompt set)
 TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixture"),
            "qwen3": (build_qwen3_fixture, ["--reasoning-parser", "qwen3"], [], "fixture"),
@@ -133,23 +138,50 @@ def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: i
     return Dataset.parse(draft, "drafts", root).path
 
 
-def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, seed: int = 0,
-            method: str = "eagle3") -> dict[str, Any]:
-    """One cell's result for one recipe, seed and method (cached in results/<draft_name>.json)."""
+class Baseline:
+    """The target served without a draft, started on first use (not at all when every cell is cached): what
+    each cell's speedup is measured against."""
+
+    def __init__(self, root: Path, target: str, model: Path) -> None:
+        self.root, self.target, self.model = root, target, model
+        self.stack = ExitStack()
+        self.server = None
+
+    def url(self) -> str:
+        if self.server is None:
+            say(f"{self.target}: the target without a draft (the speedups' baseline)")
+            self.server = self.stack.enter_context(running_vllm(
+                self.model, log_path=self.root / "logs" / f"baseline_{self.target}.log", timeout_s=900,
+                extra_args=TARGETS[self.target][2]))
+        return self.server.url
+
+    def close(self) -> None:
+        self.stack.close()
+
+
+def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, baseline: Baseline,
+            seed: int = 0, method: str = "eagle3") -> dict[str, Any]:
+    """One cell's result for one recipe, seed and method: `eyas-serve bench` of the draft served in vLLM against
+    the target alone, at SPEEDUP_AT requests in flight (cached in results/<draft_name>.json)."""
     label = draft_name(target, n, recipe, seed, method)
     out = root / "results" / f"{label}.json"
     if out.exists():
         return json.loads(out.read_text())
     draft = train_one(root, target, model, n, recipe, seed, method)
     k = spec_tokens(method, draft)
-    say(f"{label}: vLLM acceptance on {HELDOUT} held-out prompts at {k} speculative tokens")
-    acc = vllm_acceptance(model, draft, heldout, root / "logs" / f"vllm_{label}.log", spec_tokens=k,
-                          extra_args=TARGETS[target][2])
+    if not _complete(root, label, "bench"):
+        say(f"{label}: eyas-serve bench on {HELDOUT} held-out prompts at {k} speculative tokens")
+        with running_vllm(model, log_path=root / "logs" / f"vllm_{label}.log", timeout_s=900, draft=draft,
+                          spec_tokens=k, extra_args=TARGETS[target][2]) as server:
+            bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=label, draft=f"drafts/{label}",
+                  concurrency=SPEEDUP_AT, data_root=root)
+    _, _, results = read_results(f"bench/{label}", root)
     m = json.loads((draft / MANIFEST).read_text())
     val = m["stats"].get("val") or {}
     predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(k))
     chain = (val.get("val_chain_product") or [None] * k)[k - 1]
-    result = {"target": target, "samples": n, "recipe": recipe, "method": method, "spec_tokens": k, "vllm": acc,
+    result = {"target": target, "samples": n, "recipe": recipe, "method": method, "spec_tokens": k,
+              "vllm": results["spec"], "speedup": {str(lv["concurrency"]): lv["speedup"] for lv in results["levels"]},
               "predicted": predicted, "chain": chain, "train_s": m["stats"]["train_s"], "steps": m["stats"]["steps"],
               "resolved": m["params"]["recipe"]}
     write_json_atomic(out, result)
@@ -159,9 +191,9 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
 def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
     """One line per target x size x method; with several seeds a value is their mean, the range beside it."""
     head = ("| target | samples | method (K) | defaults | best hand | ratio "
-            "| predicted (chain product) vs vLLM, defaults | train s defaults / hand "
-            "| defaults resolved to (seed 0) |"
-            "\n|---|---|---|---|---|---|---|---|---|")
+            "| predicted (chain product) vs vLLM, defaults | speedup defaults / hand "
+            "| train s defaults / hand | defaults resolved to (seed 0) |"
+            "\n|---|---|---|---|---|---|---|---|---|---|")
     lines = [head]
     for r in rows:
         d, h = r.get("defaults") or [], r.get("hand") or []
@@ -172,9 +204,17 @@ def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
             f"({cell.get('spec_tokens', SPEC_TOKENS)}) | {_spread(d)} | {_spread(h)} "
             f"| {_f(ad / ah if ad and ah else None, 3)} "
             f"| {_f(_mean(x['predicted'] for x in d))} ({_f(_mean(x.get('chain') for x in d))}) vs {_f(ad)} "
+            f"| {_speedups(d)} / {_speedups(h)} "
             f"| {_f(_mean(x['train_s'] for x in d), 0)} / {_f(_mean(x['train_s'] for x in h), 0)} "
             f"| {'batch %d, lr %.2g, %d steps' % (res['batch_size'], res['lr'], res['total_steps']) if res else '-'} |")
     return "\n".join(lines)
+
+
+def _speedups(results: list[dict[str, Any]]) -> str:
+    """Mean speedup at each of SPEEDUP_AT, `1.21x 1.50x`; `-` for results measured before speedups were."""
+    if not results or any("speedup" not in x for x in results):
+        return "-"
+    return " ".join(f"{_mean(x['speedup'][str(c)] for x in results):.2f}x" for c in SPEEDUP_AT)
 
 
 def _mean(values: Any) -> float | None:
@@ -224,13 +264,18 @@ def main() -> None:
         model = TARGETS[target][0]()
         heldout = write_prompts(root / "prompts" / f"{target}_heldout.jsonl", target, HELDOUT, 11, "heldout")
         synth_all(root, target, model, sizes)
-        for n in sorted(sizes):
-            for method in methods:
-                rows.append({r: [measure(root, target, model, n, r, heldout, seed, method) for seed in range(a.seeds)]
-                             for r in recipes})
-                print(table(rows), flush=True)
+        baseline = Baseline(root, target, model)
+        try:
+            for n in sorted(sizes):
+                for method in methods:
+                    rows.append({r: [measure(root, target, model, n, r, heldout, baseline, seed, method)
+                                     for seed in range(a.seeds)] for r in recipes})
+                    print(table(rows), flush=True)
+        finally:
+            baseline.close()
     print(f"\nvLLM at K speculative tokens (EAGLE-3 {SPEC_TOKENS}, DFlash block size - 1), {HELDOUT} held-out "
-          f"prompts, greedy; hand recipe: {HAND}; "
+          f"prompts, greedy; speedup: tokens/s of target + draft over the target alone at "
+          f"{' / '.join(map(str, SPEEDUP_AT))} in flight (eyas-serve bench); hand recipe: {HAND}; "
           f"{time.monotonic() - t0:.0f} s; data under {root}")
 
 

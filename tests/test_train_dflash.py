@@ -440,3 +440,7 @@ def test_bench_quality_runs_dflash_beside_eagle3():
     table = quality.table([{"defaults": [cell]}, {"defaults": [cell | {"method": "dflash", "spec_tokens": 7}]}])
     lines = table.splitlines()
     assert "| method (K) |" in lines[0] and "| eagle3 (3) |" in lines[2] and "| dflash (7) |" in lines[3], table
+    # speedups at 1 and 16 in flight where the cell measured them (cells cached before them show "-")
+    assert "| - / - |" in lines[2]
+    timed = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "16": 1.5}}]}]).splitlines()[2]
+    assert "| 1.20x 1.50x / - |" in timed, timed
