@@ -207,8 +207,9 @@ def test_extract_and_train_run_from_their_images(repo, engines, state, data, mod
 def test_training_on_two_hosts_equals_one_process(repo, engines, data, model):
     """make train HOSTS="a b" NPROC=1: one torchrun node per ssh host (127.0.0.1 and 127.0.0.2), joined by the
     c10d rendezvous on the first, gloo between them, gives the draft one process gives with the same global
-    batch. (Validation is set to 2 samples: its default count is rounded to the number of processes.)"""
-    args = "--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --val-samples 2 --log-every 1"
+    batch. (Validation is set to 2 samples: its default count is rounded to the number of processes; fp32:
+    bf16 products, --precision auto on a CPU with bf16, round each rank's partial sums apart.)"""
+    args = "--epochs 1 --draft-vocab 256 --ttt-steps 2 --batch-size 4 --val-samples 2 --log-every 1 --precision fp32"
     common = dict(DATA=str(data), HIDDEN="hidden/h1", MODEL=str(model), TRAIN_ARGS=args)
     make(repo, engines, "train", HOST=engines.ssh_hosts[1], NAME="one", **common)
     r = make(repo, engines, "train", HOSTS=" ".join(engines.ssh_hosts), NPROC="1", NAME="two",
