@@ -24,7 +24,7 @@ from pathlib import Path
 from dataclasses import dataclass
 
 from eyas_common.contract import Dataset, DatasetError
-from eyas_common.drafts import read_config
+from eyas_common.drafts import served_spec_tokens
 from eyas_testing.servers import free_port
 
 
@@ -195,13 +195,6 @@ def verdict(stages: Stages, total_s: float) -> None:
     print(f"\n{'PASS' if ok else 'BELOW GOAL'}: acceptance length {shown} (goal >= {goal} at {k} speculative tokens)")
 
 
-def spec_tokens() -> int:
-    """Draft tokens per step: EAGLE-3 3; DFlash its block size - 1, the block its training filled."""
-    if METHOD == "eagle3":
-        return 3
-    return int(read_config(Dataset.parse("drafts/demo", root=DATA).path)["block_size"]) - 1
-
-
 def main() -> None:
     t0 = time.monotonic()
     DATA.mkdir(parents=True, exist_ok=True)
@@ -232,8 +225,7 @@ def main() -> None:
             "synth", f"N={N_SAMPLES}", f"PROMPTS={train_prompts}", f"SERVER={baseline.url}", f"MODEL={TARGET}",
             "NAME=demo", f"MAX_TOKENS={PROFILE.max_tokens}", "TEMPERATURE=0", "CONCURRENCY=32",
             f"SYNTH_ARGS={PROFILE.synth_args}"))
-        layers = "layers 2, L//2, L-3" if METHOD == "eagle3" else "five layers spread from 1 to L-3"
-        step(f"make extract: aux hidden states ({layers}) and the final state")
+        step(f"make extract: aux hidden states (the layers {METHOD} reads) and the final state")
         stages.run("02 extract", "hidden/demo", lambda: make(
             "extract", "SYNTH=synth/demo", f"MODEL={TARGET}", "NAME=demo", f"EXTRACT_ARGS=--method {METHOD}"))
         step(f"make train: the {METHOD} draft, the default recipe resolved from the data (minutes on CPU)")
@@ -242,7 +234,7 @@ def main() -> None:
             f"TRAIN_ARGS={TRAIN_ARGS} --method {METHOD} {PROFILE.train_args}".strip()))
 
         if status("bench/demo") != "complete":
-            k = spec_tokens()
+            k = served_spec_tokens(Dataset.parse("drafts/demo", root=DATA).path)
             step(f"make serve DRAFT=drafts/demo: target + draft, {k} speculative tokens")
             served = Served("draft", "DRAFT=drafts/demo", f"SPEC_TOKENS={k}")
             servers.append(served)

@@ -41,7 +41,7 @@ from typing import Any
 
 from eyas_common.bench import read_results
 from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
-from eyas_common.drafts import read_config
+from eyas_common.drafts import served_spec_tokens
 from eyas_common.methods import METHODS
 from eyas_testing.fixture import build_fixture, write_prompts_jsonl
 from eyas_testing.fixture_qwen3 import build_qwen3_fixture
@@ -116,11 +116,6 @@ def recipe_options(recipe: str, method: str) -> dict[str, Any]:
     return {k: v for k, v in RECIPES[recipe].items() if k not in NOT_FOR[method]} | {"method": method}
 
 
-def spec_tokens(method: str, draft: Path) -> int:
-    """The K a draft is measured at: EAGLE-3 SPEC_TOKENS, DFlash its block size - 1."""
-    return SPEC_TOKENS if method == "eagle3" else int(read_config(draft)["block_size"]) - 1
-
-
 def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0,
               method: str = "eagle3") -> Path:
     from eyas_extract.run import run as extract
@@ -168,7 +163,7 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     if out.exists():
         return json.loads(out.read_text())
     draft = train_one(root, target, model, n, recipe, seed, method)
-    k = spec_tokens(method, draft)
+    k = served_spec_tokens(draft, SPEC_TOKENS)
     if not _complete(root, label, "bench"):
         say(f"{label}: eyas-serve bench on {HELDOUT} held-out prompts at {k} speculative tokens")
         with running_vllm(model, log_path=root / "logs" / f"vllm_{label}.log", timeout_s=900, draft=draft,

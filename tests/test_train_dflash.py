@@ -357,13 +357,15 @@ def test_run_method_dflash_trains_and_exports(dflash_hidden, fixture_target):
 
 
 def test_serve_command_lines_follow_the_draft_method(tmp_path):
-    from eyas_common.drafts import read_config
+    from eyas_common.drafts import read_config, served_spec_tokens
     from eyas_serve.config import LaunchConfig
     from eyas_serve.engines import engine_command
 
     cfg = tiny_config(num_features=5)
     write_dflash_draft(tmp_path, DFlashDraft(cfg).state_dict(), cfg, [2, 3, 4, 5, 6], {"num_hidden_layers": 8})
     assert read_config(tmp_path)["block_size"] == 4
+    assert served_spec_tokens(tmp_path) == 3 and served_spec_tokens(tmp_path, eagle3=5) == 3  # block size - 1
+    assert served_spec_tokens(tmp_path / "no-draft-here", eagle3=5) == 5  # no DFlash config: EAGLE-3's K
     launch = LaunchConfig(engine="vllm", model="/models/target", python="python3", spec_tokens=3)
     cmd = engine_command(launch, tmp_path)
     spec = json.loads(cmd[cmd.index("--speculative-config") + 1])

@@ -92,3 +92,9 @@ def draft_method(folder: Path) -> str:
     except (OSError, ValueError, AttributeError):
         return "eagle3"
     return "dflash" if arch == [DFLASH_ARCHITECTURE] else "eagle3"
+
+
+def served_spec_tokens(folder: Path, eagle3: int = 3) -> int:
+    """Draft tokens per step a draft is measured at: a DFlash draft its block size - 1 (the block its training
+    filled; vLLM runs K + 1 queries), an EAGLE-3 draft `eagle3`."""
+    return int(read_config(folder)["block_size"]) - 1 if draft_method(folder) == "dflash" else eagle3

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from functools import cache
 
 import torch
 import torch.distributed as dist
@@ -44,6 +45,7 @@ def init() -> Dist:
     return Dist(dist.get_rank(), dist.get_world_size(), torch.device(f"cuda:{local}" if cuda else "cpu"))
 
 
+@cache  # asked at every forward pass (autocast); the CPU does not change under a running process
 def native_bf16_cpu() -> bool:
     """True where this CPU multiplies bf16 natively (AVX512-BF16 or AMX): there oneDNN's bf16 matmuls run about
     twice as fast as fp32 ones (bench/train.py --precision fp32,bf16)."""
