@@ -43,6 +43,7 @@ from eyas_common.bench import read_results
 from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
 from eyas_common.drafts import served_spec_tokens
 from eyas_common.methods import METHODS
+from eyas_common.procs import sigterm_as_interrupt
 from eyas_testing.fixture import build_fixture, write_prompts_jsonl
 from eyas_testing.fixture_qwen3 import build_qwen3_fixture
 from eyas_testing.fixture_smollm2 import build_smollm2_fixture
@@ -275,4 +276,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        with sigterm_as_interrupt():  # a kill stops the vLLM servers as Ctrl-C does (their `with` blocks run)
+            main()
+    except KeyboardInterrupt:
+        say("interrupted: every finished dataset, draft and result is kept; rerun the same command to continue")
+        sys.exit(130)
