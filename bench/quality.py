@@ -118,19 +118,20 @@ def recipe_options(recipe: str, method: str) -> dict[str, Any]:
 
 
 def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: int = 0,
-              method: str = "eagle3") -> Path:
+              method: str = "eagle3", allow_code_change: bool = False) -> Path:
     from eyas_extract.run import run as extract
     from eyas_train.train import run as train
 
     name = hidden_name(target, n, method)
     if not _complete(root, name, "hidden"):
         say(f"{name}: extract ({method} layers)")
-        extract(synth=f"synth/{target}_{n}", model=model, name=name, method=method, data_root=root, progress=False)
+        extract(synth=f"synth/{target}_{n}", model=model, name=name, method=method, data_root=root, progress=False,
+                allow_code_change=allow_code_change)
     draft = draft_name(target, n, recipe, seed, method)
     if not _complete(root, draft, "drafts"):
         say(f"{draft}: train")
         train(hidden=f"hidden/{name}", model=model, name=draft, data_root=root, seed=seed,
-              **recipe_options(recipe, method), **QUIET)
+              allow_code_change=allow_code_change, **recipe_options(recipe, method), **QUIET)
     return Dataset.parse(draft, "drafts", root).path
 
 
@@ -156,14 +157,14 @@ class Baseline:
 
 
 def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: Path, baseline: Baseline,
-            seed: int = 0, method: str = "eagle3") -> dict[str, Any]:
+            seed: int = 0, method: str = "eagle3", allow_code_change: bool = False) -> dict[str, Any]:
     """One cell's result for one recipe, seed and method: `eyas-serve bench` of the draft served in vLLM against
     the target alone, at SPEEDUP_AT requests in flight (cached in results/<draft_name>.json)."""
     label = draft_name(target, n, recipe, seed, method)
     out = root / "results" / f"{label}.json"
     if out.exists():
         return json.loads(out.read_text())
-    draft = train_one(root, target, model, n, recipe, seed, method)
+    draft = train_one(root, target, model, n, recipe, seed, method, allow_code_change)
     k = served_spec_tokens(draft, SPEC_TOKENS)
     if not _complete(root, label, "bench"):
         say(f"{label}: eyas-serve bench on {HELDOUT} held-out prompts at {k} speculative tokens")
@@ -240,6 +241,9 @@ def main() -> None:
                    help=f"comma-separated draft methods, one row each: {', '.join(METHODS)} (default eagle3)")
     p.add_argument("--seeds", type=int, default=1,
                    help="seeds 0..S-1 per recipe and cell; the table shows their mean and range (default 1)")
+    p.add_argument("--allow-code-change", action="store_true",
+                   help="resume a cell's extraction or training that an earlier commit started (its manifest then "
+                        "lists both versions); without it such a cell is refused")
     a = p.parse_args()
     targets = ["llama"] if a.quick else a.targets.split(",")
     sizes = [250] if a.quick else [int(x) for x in a.sizes.split(",")]
@@ -264,7 +268,8 @@ def main() -> None:
         try:
             for n in sorted(sizes):
                 for method in methods:
-                    rows.append({r: [measure(root, target, model, n, r, heldout, baseline, seed, method)
+                    rows.append({r: [measure(root, target, model, n, r, heldout, baseline, seed, method,
+                                             a.allow_code_change)
                                      for seed in range(a.seeds)] for r in recipes})
                     print(table(rows), flush=True)
         finally:
