@@ -434,9 +434,16 @@ def test_bench_quality_runs_dflash_beside_eagle3():
     assert quality.draft_name("llama", 250, "hand", 2, "dflash") == "llama_250_hand_dflash-seed2"
     assert quality.hidden_name("llama", 250, "eagle3") == "llama_250"
     assert quality.hidden_name("llama", 250, "dflash") == "llama_250_dflash"
-    hand = quality.recipe_options("hand", "dflash")
+    hand = quality.recipe_options("hand", "dflash", "llama")
     assert "draft_vocab" not in hand and hand["method"] == "dflash" and hand["lr"] == 3e-3
-    assert quality.recipe_options("hand", "eagle3")["draft_vocab"] == 1024
+    assert quality.recipe_options("hand", "eagle3", "llama")["draft_vocab"] == 1024
+    # a real target's hand recipe keeps the default vocabulary (1,024 covers too little of real text)
+    assert "draft_vocab" not in quality.recipe_options("hand", "eagle3", "smollm2")
+    assert quality.recipe_options("defaults", "eagle3", "smollm2") == {"method": "eagle3"}
+    # held-out coverage: masked (answer) tokens only, against t2d; no t2d is the whole vocabulary
+    answers = [([5, 1, 2, 3], [0, 1, 1, 1]), ([5, 4], [0, 1])]
+    t2d = torch.tensor([False, True, True, False, False, True])
+    assert quality.heldout_coverage(t2d, answers) == 0.5 and quality.heldout_coverage(None, answers) == 1.0
     cell = {"target": "llama", "samples": 250, "vllm": {"acceptance_length": 3.5}, "predicted": 3.4, "chain": 3.6,
             "train_s": 100.0, "resolved": {"batch_size": 4, "lr": 3e-3, "total_steps": 1080}}
     table = quality.table([{"defaults": [cell]}, {"defaults": [cell | {"method": "dflash", "spec_tokens": 7}]}])
@@ -446,3 +453,5 @@ def test_bench_quality_runs_dflash_beside_eagle3():
     assert "| - / - |" in lines[2]
     timed = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "16": 1.5}}]}]).splitlines()[2]
     assert "| 1.20x 1.50x / - |" in timed, timed
+    covered = quality.table([{"defaults": [cell | {"heldout_coverage": 0.99}]}]).splitlines()
+    assert "held-out coverage" in covered[0] and "| 0.990 / - |" in covered[2], covered
