@@ -74,6 +74,9 @@ def test_cli_run_writes_a_complete_draft(data, fixture_target, monkeypatch):
     resolved = "bf16" if native_bf16_cpu() else "fp32"
     assert m["params"]["precision"] == resolved and f"cpu in {resolved};" in r.output
     assert 0 < m["stats"]["vocab_coverage"] <= 1 and len(m["stats"]["final"]["step_acc"]) == 3
+    # where the data holds fewer distinct tokens than the draft vocabulary, the line says what fills the rest
+    distinct = m["stats"]["distinct_tokens"]
+    assert (f"({distinct} distinct; its other {512 - distinct} are the lowest unseen ids" in r.output) == (distinct < 512)
     names = {f["name"] for f in m["files"]}
     assert {"config.json", "model.safetensors", "training.png", "train_log.jsonl"} <= names
     assert sorted(p.name for p in (ds.path / "checkpoints").iterdir()) == ["step-00000010.pt", "step-00000012.pt"]

@@ -252,7 +252,9 @@ def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_
             f"tokens each: batch {r.batch_size} ({cfg.batching}), {r.steps_per_epoch} steps/epoch x {r.epochs:g} "
             f"epochs = {r.total_steps} steps, peak lr {r.lr:.2g}, warm-up {r.warmup_steps} steps, on {d.world} "
             f"process(es), {d.device} in {run_params['precision']}; draft vocab {s.vocab.d2t.numel()} of "
-            f"{s.dcfg.vocab_size} covers {s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct)"
+            f"{s.dcfg.vocab_size} covers {s.vocab.coverage:.2%} of masked tokens ({s.vocab.distinct} distinct"
+            + (f"; its other {s.vocab.d2t.numel() - s.vocab.distinct} are the lowest unseen ids: in a BPE "
+               f"vocabulary, its earliest merges)" if s.vocab.d2t.numel() > s.vocab.distinct else ")")
             + (f"; resuming at step {s.start}" if s.start else ""))
     parallel.barrier(d)
     _train(s)
