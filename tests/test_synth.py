@@ -53,17 +53,20 @@ def test_prompt_files(tmp_path):
     p.write_text(json.dumps({"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "q"},
                                           {"role": "assistant", "content": "old answer"}]}) + "\n\n"
                  + json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"},
-                                                 {"from": "human", "value": "again"}]}) + "\n")
+                                                 {"from": "human", "value": "again"}]}) + "\n"
+                 + json.dumps({"prompt": "plain", "completion": "ignored"}) + "\n")
     assert load_prompts(p) == [
         [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}],
         [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}, {"role": "user", "content": "again"}],
+        [{"role": "user", "content": "plain"}],
     ]
     t = tmp_path / "p.txt"
     t.write_text("first prompt\n\nsecond prompt\n")
     assert load_prompts(t) == [[{"role": "user", "content": "first prompt"}], [{"role": "user", "content": "second prompt"}]]
     for line, err in (('{"messages": [{"role": "user"}]}', "string `role` and `content`"),
                       ('{"conversations": [{"from": "robot", "value": "x"}]}', "needs `from`"),
-                      ('{"text": "x"}', "expected an object with `messages`"),
+                      ('{"text": "x"}', "expected an object with `messages`.*found keys text.*\\.txt"),
+                      ('["x"]', "expected an object .*found list"),
                       ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
                       ('{"messages": [', "malformed JSON")):
         p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")

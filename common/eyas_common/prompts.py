@@ -1,4 +1,5 @@
-"""Prompt files: JSONL of OpenAI `messages` or ShareGPT `conversations`, or plain text (one per line)."""
+"""Prompt files: JSONL of OpenAI `messages`, ShareGPT `conversations` or a `prompt` string (vLLM's custom
+benchmark dataset), or plain text (one prompt per line)."""
 
 from __future__ import annotations
 
@@ -27,8 +28,14 @@ def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
                 raise DatasetError(f"{where}: ShareGPT turn {turn!r:.80} needs `from` "
                                    f"({'/'.join(SHAREGPT_ROLES)}) and a string `value`")
             msgs.append({"role": role, "content": turn["value"]})
+    elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
+        msgs = [{"role": "user", "content": rec["prompt"]}]
     else:
-        raise DatasetError(f"{where}: expected an object with `messages` (OpenAI) or `conversations` (ShareGPT)")
+        found = (f"keys {', '.join(map(str, rec))}" if rec else "an empty object") if isinstance(rec, dict) \
+            else type(rec).__name__
+        raise DatasetError(f"{where}: expected an object with `messages` (OpenAI), `conversations` (ShareGPT) or a "
+                           f"`prompt` string, found {found}; for plain text, one prompt per "
+                           f"line, name the file .txt")
     # The target answers the last user turn itself: a recorded answer after it is dropped.
     while msgs and msgs[-1]["role"] == "assistant":
         msgs.pop()

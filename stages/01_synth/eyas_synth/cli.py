@@ -20,7 +20,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
-              help="JSONL of OpenAI `messages` or ShareGPT `conversations` (.jsonl), else plain text, one prompt per line.")
+              help="JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` string; else plain text, one prompt per line.")
 @click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/synth/NAME (resumes it if present).")
 @click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
               help="Local folder of the target (its tokenizer checks and renders the token ids); never a hub id.")
