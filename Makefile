@@ -55,8 +55,8 @@ EVAL_ARGS    ?=
 TARGET       ?= tiny
 # make demo's draft method: eagle3, or dflash (extracted, trained and served as a DFlash draft)
 METHOD       ?= eagle3
-# draft tokens per step: make eval and make serve
-SPEC_TOKENS  ?= 3
+# draft tokens per step: make eval and make serve; empty = the draft's own (EAGLE-3 3, DFlash block size - 1)
+SPEC_TOKENS  ?=
 # pytest options of test, test-fast and test-images, e.g. PYTEST_ARGS='-k synth'
 PYTEST_ARGS  ?=
 # TRUST_REMOTE_CODE=1: every stage runs the model/tokenizer code shipped with the target (Kimi-K2.5); off by default
@@ -327,11 +327,11 @@ pipeline: $(LOCAL_DEPS) ## stages 01-03 at once, streaming through DATA: N PROMP
 pipeline_host = $(if $($(1)_HOST),HOST=$($(1)_HOST))
 
 EVAL_RUN = eval --draft $(DRAFT) --model $(call path_arg,$(MODEL)) --prompts $(call path_arg,$(PROMPTS)) \
-  --spec-tokens $(SPEC_TOKENS) $(TRC) $(EVAL_ARGS)
+  $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) $(TRC) $(EVAL_ARGS)
 eval: $(LOCAL_DEPS) ## stage 03: offline acceptance: DRAFT=drafts/NAME MODEL PROMPTS=heldout.jsonl [SPEC_TOKENS
 ##   TRUST_REMOTE_CODE=1 EVAL_ARGS] [RUNNER HOST]
 	$(call require,DRAFT MODEL PROMPTS,make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl \
-	  [SPEC_TOKENS=3])
+	  [SPEC_TOKENS=K])
 	$(call run_stage,train,$(VENV)/bin/eyas-train,,$(EVAL_RUN))
 
 # ---- stage 04 serve (eyas-serve) -------------------------------------------------------------------
@@ -348,7 +348,7 @@ BENCH_ARGS        ?=
 serve: MOUNT_PATHS = $(MODEL)
 bench-serve: MOUNT_PATHS = $(PROMPTS)
 SERVE_RUN = launch --engine $(ENGINE) --model $(call path_arg,$(MODEL)) $(if $(DRAFT),--draft $(DRAFT)) \
-  --spec-tokens $(SPEC_TOKENS) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
+  $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
 serve: $(LOCAL_DEPS) ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [TRUST_REMOTE_CODE=1
 ##   SPEC_TOKENS TP SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
 	$(call require,MODEL,make serve MODEL=/path/to/target [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] \

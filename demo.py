@@ -235,8 +235,8 @@ def main() -> None:
 
         if status("bench/demo") != "complete":
             k = served_spec_tokens(Dataset.parse("drafts/demo", root=DATA).path)
-            step(f"make serve DRAFT=drafts/demo: target + draft, {k} speculative tokens")
-            served = Served("draft", "DRAFT=drafts/demo", f"SPEC_TOKENS={k}")
+            step(f"make serve DRAFT=drafts/demo: target + draft, {k} speculative tokens (the draft's own K)")
+            served = Served("draft", "DRAFT=drafts/demo")
             servers.append(served)
             stages.run("serve draft (start)", None, served.wait_healthy)
             step(f"make bench-serve: {N_HELDOUT} held-out prompts at 1, 4 and 16 in flight, draft vs baseline")

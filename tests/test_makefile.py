@@ -53,10 +53,12 @@ def test_every_stage_and_the_base_are_still_built_by_name():
         assert f"-t reg.example:5000/team/eyas-{stage}:abc123 ." in out, stage
 
 
-@pytest.mark.parametrize("knobs, want", [({}, "3"), ({"SPEC_TOKENS": "5"}, "5")])
-def test_eval_uses_spec_tokens(knobs, want):
-    line = dry_lines("eval", DRAFT="drafts/d", MODEL="/models/K", PROMPTS="/p.jsonl", **knobs)[-1]
-    assert shlex.split(line)[-2:] == ["--spec-tokens", want], line
+@pytest.mark.parametrize("target, knobs", [("eval", {"PROMPTS": "/p.jsonl"}), ("serve", {})])
+def test_spec_tokens_knob_or_the_drafts_own(target, knobs):
+    """Unset, the stage resolves K from the draft (a DFlash draft's block size - 1); set, it is passed on."""
+    for spec_tokens, want in (("", None), ("5", "5")):
+        args = shlex.split(dry_lines(target, DRAFT="drafts/d", MODEL="/models/K", SPEC_TOKENS=spec_tokens, **knobs)[-1])
+        assert (args[args.index("--spec-tokens") + 1] if "--spec-tokens" in args else None) == want, args
 
 
 @pytest.mark.parametrize("follow, flags", [("1", 1), ("yes", 1), ("", 0), ("0", 0)])

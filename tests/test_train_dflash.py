@@ -361,15 +361,16 @@ def test_serve_command_lines_follow_the_draft_method(tmp_path):
     from eyas_serve.config import LaunchConfig
     from eyas_serve.engines import engine_command
 
-    cfg = tiny_config(num_features=5)
+    cfg = tiny_config(num_features=5, block_size=6)
     write_dflash_draft(tmp_path, DFlashDraft(cfg).state_dict(), cfg, [2, 3, 4, 5, 6], {"num_hidden_layers": 8})
-    assert read_config(tmp_path)["block_size"] == 4
-    assert served_spec_tokens(tmp_path) == 3 and served_spec_tokens(tmp_path, eagle3=5) == 3  # block size - 1
-    assert served_spec_tokens(tmp_path / "no-draft-here", eagle3=5) == 5  # no DFlash config: EAGLE-3's K
-    launch = LaunchConfig(engine="vllm", model="/models/target", python="python3", spec_tokens=3)
-    cmd = engine_command(launch, tmp_path)
-    spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
-    assert spec == {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": 3}
+    assert read_config(tmp_path)["block_size"] == 6
+    assert served_spec_tokens(tmp_path) == 5 and served_spec_tokens(tmp_path, eagle3=3) == 5  # block size - 1
+    assert served_spec_tokens(tmp_path / "no-draft-here", eagle3=4) == 4  # no DFlash config: EAGLE-3's K
+    for asked, k in ((None, 5), (2, 2)):  # --spec-tokens unset: the block the draft was trained for
+        launch = LaunchConfig(engine="vllm", model="/models/target", python="python3", spec_tokens=asked)
+        cmd = engine_command(launch, tmp_path)
+        spec = json.loads(cmd[cmd.index("--speculative-config") + 1])
+        assert spec == {"method": "dflash", "model": str(tmp_path), "num_speculative_tokens": k}
     sglang = engine_command(LaunchConfig(engine="sglang", model="/models/target", python="python3"), tmp_path)
     assert sglang[sglang.index("--speculative-algorithm") + 1] == "DFLASH"
     assert "--speculative-eagle-topk" not in sglang

@@ -108,7 +108,7 @@ def main() -> None:
               help="DFlash: the anchor and BLOCK_SIZE - 1 masked slots; serve with num_speculative_tokens = "
                    "BLOCK_SIZE - 1.  [default: 16 for targets of width >= 2048, else 8]")
 @click.option("--draft-layers", type=click.IntRange(min=1), default=None,
-              help="DFlash: decoder layers of the draft.  [default: target layers / 8, rounded up, 1 to 5]")
+              help="DFlash: decoder layers of the draft.  [default: target layers / 8, rounded up, 3 to 5]")
 @click.option("--anchors", type=click.IntRange(min=1), default=D["anchors"].default,
               help="DFlash: most blocks drawn per sample and step (anchors among its completion tokens).")
 @click.option("--gamma", type=click.FloatRange(min=0, min_open=True), default=None,
@@ -149,12 +149,14 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--draft", required=True, help="Draft dataset (drafts/NAME).")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Target folder (HF).")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Held-out prompts: JSONL of {\"messages\": [...]} or plain text lines.")
-@click.option("--spec-tokens", type=click.IntRange(min=1), default=3,
-              help="Draft tokens proposed per verification (vLLM's num_speculative_tokens; a DFlash draft was "
-                   "trained for its block size - 1).")
+              help="Held-out prompts: JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` "
+                   "string; else plain text, one prompt per line.")
+@click.option("--spec-tokens", type=click.IntRange(min=1), default=None, show_default=False,
+              help="Draft tokens proposed per verification (vLLM's num_speculative_tokens).  [default: the "
+                   "draft's own: EAGLE-3 3, DFlash its block size - 1, the block it was trained for]")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Max generated tokens per prompt.")
-@click.option("--limit", type=click.IntRange(min=1), default=None, help="Use only the first N prompts.")
+@click.option("--limit", type=click.IntRange(min=1), default=None, show_default=False,
+              help="Use only the first N prompts.  [default: all]")
 @click.option("--thinking/--no-thinking", default=None,
               help="Chat-template thinking switch.  [default: on where the target has <think>/</think> and its "
                    "template takes the switch]")

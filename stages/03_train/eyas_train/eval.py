@@ -32,7 +32,7 @@ from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, resolve_
 from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import DatasetError, check_target, open_input, write_json_atomic
 from eyas_common.prompts import load_prompts
-from eyas_common.drafts import draft_method
+from eyas_common.drafts import draft_method, served_spec_tokens
 from eyas_train.dflash import DFlashDraft
 from eyas_train.dflash_export import load_dflash_draft
 from eyas_train.export import load_draft
@@ -128,13 +128,13 @@ def memory_check(model: str | Path, dtype: str, cuda: bool) -> str:
     return line
 
 
-def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int = 3, max_tokens: int = 256,
+def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int | None = None, max_tokens: int = 256,
              thinking: bool | None = None, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
              trust_remote_code: bool = False, out: Path | None = None,
              data_root: Path | None = None) -> dict[str, Any]:
     """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL, both in `dtype` (the
     serving dtype, for agreement with a server; auto: bf16 on GPU, fp32 on CPU), spread over the GPUs
-    when there are any (device_map auto)."""
+    when there are any (device_map auto). `spec_tokens` None: the draft's own (EAGLE-3 3, DFlash block size - 1)."""
     from transformers import AutoModelForCausalLM
 
     t0 = time.monotonic()
@@ -146,6 +146,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int =
     dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
     method = draft_method(ds.path)
+    spec_tokens = served_spec_tokens(ds.path) if spec_tokens is None else spec_tokens
     module, aux_ids = (load_dflash_draft if method == "dflash" else load_draft)(ds.path, model)
     module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),

@@ -24,8 +24,9 @@ def main() -> None:
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Target folder (local): served, and its tokenizer is checked against the draft's.")
 @click.option("--draft", default=None, help="Draft dataset drafts/NAME.  [default: none: serve the baseline]")
-@click.option("--spec-tokens", type=click.IntRange(1, 16), default=L["spec_tokens"].default,
-              help="Draft tokens proposed per verification step.")
+@click.option("--spec-tokens", type=click.IntRange(1, 16), default=None, show_default=False,
+              help="Draft tokens proposed per verification step.  [default: the draft's own: EAGLE-3 3, DFlash "
+                   "its block size - 1]")
 @click.option("--tp", type=click.IntRange(1, 1024), default=L["tp"].default, help="Tensor-parallel GPUs.")
 @click.option("--host", default=L["host"].default, help="Address to listen on (0.0.0.0 for other hosts).")
 @click.option("--port", type=click.IntRange(1, 65535), default=L["port"].default, help="HTTP port.")
@@ -76,7 +77,8 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
               help="Held-out prompts: JSONL of OpenAI `messages` / ShareGPT `conversations` / a `prompt` string, or text lines.")
 @click.option("--name", required=True, help="Output dataset bench/NAME.")
 @click.option("--draft", default=None, help="drafts/NAME the server runs: lineage in the manifest.")
-@click.option("--concurrency", default="1,4,16", callback=_levels, help="Requests in flight, one level each.")
+@click.option("--concurrency", default="1,4,16", callback=_levels,
+              help="Requests in flight, comma-separated levels, each measured in turn.")
 @click.option("--num-prompts", type=click.IntRange(min=0), default=0,
               help="Requests per level (prompts reused in order); 0 = every prompt once.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Completion budget per request, tokens.")

@@ -13,8 +13,9 @@ class LaunchConfig:
     engine: str                      # vllm or sglang
     model: str                       # target folder (local path): the tokenizer the draft is checked against
     draft: str | None = None         # drafts/NAME; None serves the target alone (the baseline)
-    spec_tokens: int = 3             # draft tokens proposed per verification (vLLM num_speculative_tokens,
-                                     # SGLang num_steps; SGLang verifies spec_tokens + 1 tokens)
+    spec_tokens: int | None = None   # draft tokens proposed per verification (vLLM num_speculative_tokens,
+                                     # SGLang num_steps; SGLang verifies spec_tokens + 1 tokens); None = the
+                                     # draft's own: EAGLE-3 3, DFlash its block size - 1 (the block it learned)
     tp: int = 1                      # tensor-parallel GPUs
     host: str = "127.0.0.1"
     port: int = 8000
@@ -38,7 +39,7 @@ class BenchConfig:
     prompts_sha256: str
     baseline: str | None = None      # URL of the same target without speculation: speedup is measured against it
     draft: str | None = None         # drafts/NAME the server runs: lineage (draft -> hidden -> synth -> target)
-    concurrency: tuple[int, ...] = (1, 4, 16)  # requests in flight, one level each
+    concurrency: tuple[int, ...] = (1, 4, 16)  # requests in flight: each level measured in turn
     num_prompts: int = 0             # requests per level; 0 = every prompt once
     max_tokens: int = 256            # completion budget per request, tokens
     temperature: float = 0.0         # greedy by default: acceptance is then a property of the draft alone

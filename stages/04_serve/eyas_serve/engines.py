@@ -16,7 +16,7 @@ import os
 import sys
 from pathlib import Path
 
-from eyas_common.drafts import draft_method
+from eyas_common.drafts import draft_method, served_spec_tokens
 from eyas_common.paths import cache_root
 from eyas_serve.config import LaunchConfig
 
@@ -74,8 +74,13 @@ def server_command(cfg: LaunchConfig) -> list[str]:
     return cmd
 
 
+def draft_spec_tokens(cfg: LaunchConfig, draft_dir: Path) -> int:
+    """--spec-tokens, else the K the draft was trained for (a DFlash draft fills a block of block_size - 1)."""
+    return served_spec_tokens(draft_dir) if cfg.spec_tokens is None else cfg.spec_tokens
+
+
 def vllm_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
-    return ["--speculative-config", json.dumps(speculative_config(draft_dir, cfg.spec_tokens))]
+    return ["--speculative-config", json.dumps(speculative_config(draft_dir, draft_spec_tokens(cfg, draft_dir)))]
 
 
 def sglang_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
@@ -83,9 +88,9 @@ def sglang_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
         # SGLang drafts the config's block_size - 1 tokens a block; it has no per-request K for DFlash.
         return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir)]
     # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
+    k = draft_spec_tokens(cfg, draft_dir)
     return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(cfg.spec_tokens), "--speculative-eagle-topk", "1",
-            "--speculative-num-draft-tokens", str(cfg.spec_tokens + 1)]
+            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
 
 
 def engine_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
