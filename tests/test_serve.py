@@ -172,6 +172,25 @@ def test_bench_dataset_round_trip_and_refusals(tmp_path, fixture_target):
         validate_results({**results, "spec": {**results["spec"], "acceptance_length": 0.5}})
 
 
+def test_a_second_bench_writer_is_refused_and_the_first_ones_results_stand(tmp_path):
+    """Two `eyas-serve bench --name b` at once: the second is refused, naming the first, before it writes."""
+    from eyas_common.lock import WriterLock
+    from eyas_serve.bench import run as run_bench
+    from eyas_testing.stub import start_stub
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a question\n")
+    with start_stub() as stub:
+        kw = dict(server=stub.url, engine="vllm", prompts=prompts, name="b", concurrency=(1,), warmup=0,
+                  max_tokens=8, data_root=tmp_path)
+        with WriterLock(Dataset.parse("b", "bench", tmp_path), stage="04_serve"):  # a bench running now
+            with pytest.raises(DatasetError, match=rf"bench/b is being written by .*pid {os.getpid()}"):
+                run_bench(**kw)
+            assert not Dataset.parse("b", "bench", tmp_path).manifest_path.exists()
+        assert run_bench(**kw)["levels"][0]["draft"]["requests"] == 1  # once it ended, the bench runs
+    assert read_results("bench/b", root=tmp_path)[1]["status"] == "complete"
+
+
 # ------------------------------------------------------------------------------------------------
 # refusals before anything starts (the real CLI)
 

@@ -161,7 +161,8 @@ def test_an_engine_that_never_gets_healthy_is_stopped(fixture_target, tmp_path):
 
 
 def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_draft):
-    """Last in this module: it stops the served draft, as Ctrl-C in the terminals running both would."""
+    """Last in this module: it stops the served draft, as Ctrl-C in the terminals running both would (the
+    bench gets SIGTERM, as from `docker stop`: the same exit)."""
     root = trained_draft.root
     prompts = write_prompts_jsonl(root / "heldout_ctrl_c.jsonl", 40, seed=12)
     b = subprocess.Popen([EYAS_SERVE, "bench", "--server", served.url, "--prompts", str(prompts), "--name",
@@ -178,8 +179,8 @@ def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_d
         in_flight = manifest.exists() and requests_running(served.url) > 0
         time.sleep(0 if in_flight else 0.1)
     assert in_flight, "no request in flight after 120 s"
-    for p in (b, served.proc):
-        p.send_signal(signal.SIGINT)
+    b.send_signal(signal.SIGTERM)
+    served.proc.send_signal(signal.SIGINT)
     err = b.communicate(timeout=120)[1]
     assert b.returncode == 130, err[-4000:]
     assert served.proc.wait(120) == 130

@@ -1,9 +1,9 @@
 """Process conventions shared by the stages: torchrun's environment, and what SIGTERM does.
 
 SIGTERM (docker stop, kill, a scheduler's preemption) is handled exactly like Ctrl-C in synth,
-extract and train: it raises KeyboardInterrupt in the main thread, each stage keeps what it has
-finished (samples flushed, shards committed, the last checkpoint), prints how to resume, and exits
-with status 130.
+extract, train and serve's bench: it raises KeyboardInterrupt in the main thread, each stage keeps
+what it has finished (samples flushed, shards committed, the last checkpoint; a bench stays partial),
+prints how to resume, and exits with status 130.
 """
 
 from __future__ import annotations

@@ -3,10 +3,11 @@
 Raw `asyncio.Protocol` over HTTP/1.1 keep-alive: no framework, so one core serves several times what
 any Python client can send, and a benchmark measures the client rather than the stub.
 
-Routes: POST /v1/chat/completions, GET /health, GET /v1/models, and GET /stats (what was served, per
-outcome, as JSON; not counted itself). Chat answers come from an `answer(payload) -> body` callable;
-the body is vLLM's `return_token_ids` shape (see `vllm_body`), and like vLLM the ids are dropped
-unless the request asks for them. A payload without a `messages` list gets vLLM's 400.
+Routes: POST /v1/chat/completions, GET /health, GET /v1/models, GET /metrics (vLLM's, with no draft's
+counters), and GET /stats (what was served, per outcome, as JSON; not counted itself). Chat answers come
+from an `answer(payload) -> body` callable; the body is vLLM's `return_token_ids` shape (see
+`vllm_body`), and like vLLM the ids are dropped unless the request asks for them. A payload without a
+`messages` list gets vLLM's 400.
 
 Faults, drawn once per chat request from a seeded RNG (rates are probabilities, summing to <= 1):
     500, 503       an OpenAI-style error body with that status
@@ -155,6 +156,8 @@ class Stub:
             return "models", _response(200, json.dumps(models).encode())
         if method == "GET" and path == "/stats":
             return "", _response(200, json.dumps(self.counts).encode())
+        if method == "GET" and path == "/metrics":  # a vLLM serving no draft: no spec_decode counters
+            return "", _response(200, f'vllm:num_requests_running{{model_name="{MODEL}"}} 0.0\n'.encode())
         if method != "POST" or path != "/v1/chat/completions":
             return "404", _response(404, _error(404, f"no route {method} {path}"))
         try:

@@ -16,8 +16,10 @@ from typing import Any
 import click
 import httpx
 
-from eyas_common.bench import PLOT, start, write_results
-from eyas_common.contract import sha256_file
+from eyas_common.bench import PLOT, STAGE, start, write_results
+from eyas_common.contract import Dataset, sha256_file
+from eyas_common.lock import WriterLock
+from eyas_common.procs import sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_serve.config import BenchConfig
 from eyas_serve.load import replay, served_model
@@ -97,30 +99,39 @@ def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, d
                       max_tokens=max_tokens, temperature=temperature, timeout_s=timeout_s, warmup=warmup)
     work = [conversations[i % len(conversations)] for i in range(num_prompts or len(conversations))]
     target, base = Server(server, engine), (Server(baseline, engine) if baseline else None)
-    out, manifest = start(name, draft=draft, params=cfg.to_dict(), root=data_root)
-    t0 = time.monotonic()
-    try:
-        for s in filter(None, (target, base)):
-            _warm(s, work, cfg)
-        if target.counters() is None:
-            say(f"{target.url} exposes no speculative-decoding counters (was it started without a draft?): "
-                f"acceptance is not reported")
-        levels, total = [], None
-        for c in cfg.concurrency:
-            level, delta = _run_level(target, base, work, c, cfg)
-            levels.append(level)
-            _say_level(level)
-            total = delta if total is None or not isinstance(delta, SpecCounters) else total + delta
-    except KeyboardInterrupt:
-        say(f"interrupted: {out.ref} stays partial (not results); rerun to measure again")
-        raise
-    results = {"engine": target.engine, "server": target.url, "baseline": base.url if base else None,
-               "model": target.model, "draft": draft, "prompts": str(prompts),
-               "prompts_sha256": cfg.prompts_sha256, "levels": levels,
-               "spec": _spec_block(None, total) if total is not None else None}
-    results["spec_tokens"] = len(results["spec"]["per_position"] or []) if results["spec"] else 0
-    plot_results(results, out.path / PLOT)
-    write_results(out, manifest, results, stats={"wall_s": round(time.monotonic() - t0, 1),
-                                                 "requests": sum(lv["draft"]["requests"] for lv in levels)})
+    # one writer per bench/NAME; SIGTERM (docker stop) stops a run as Ctrl-C does: partial, never results
+    with sigterm_as_interrupt(), WriterLock(Dataset.parse(name, "bench", data_root), stage=STAGE):
+        out, manifest = start(name, draft=draft, params=cfg.to_dict(), root=data_root)
+        t0 = time.monotonic()
+        try:
+            levels, total = _measure(target, base, work, cfg)
+        except KeyboardInterrupt:
+            say(f"interrupted: {out.ref} stays partial (not results); rerun to measure again")
+            raise
+        results = {"engine": target.engine, "server": target.url, "baseline": base.url if base else None,
+                   "model": target.model, "draft": draft, "prompts": str(prompts),
+                   "prompts_sha256": cfg.prompts_sha256, "levels": levels,
+                   "spec": _spec_block(None, total) if total is not None else None}
+        results["spec_tokens"] = len(results["spec"]["per_position"] or []) if results["spec"] else 0
+        plot_results(results, out.path / PLOT)
+        write_results(out, manifest, results, stats={"wall_s": round(time.monotonic() - t0, 1),
+                                                     "requests": sum(lv["draft"]["requests"] for lv in levels)})
     say(f"wrote {out.path}")
     return results
+
+
+def _measure(target: Server, base: Server | None, work: list, cfg: BenchConfig
+             ) -> tuple[list[dict[str, Any]], SpecCounters | None]:
+    """Warm both servers, then every concurrency level in turn: the levels' records and the summed counters."""
+    for s in filter(None, (target, base)):
+        _warm(s, work, cfg)
+    if target.counters() is None:
+        say(f"{target.url} exposes no speculative-decoding counters (was it started without a draft?): "
+            f"acceptance is not reported")
+    levels, total = [], None
+    for c in cfg.concurrency:
+        level, delta = _run_level(target, base, work, c, cfg)
+        levels.append(level)
+        _say_level(level)
+        total = delta if total is None or not isinstance(delta, SpecCounters) else total + delta
+    return levels, total
