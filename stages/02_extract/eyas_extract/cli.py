@@ -86,7 +86,9 @@ def main() -> None:
 @click.option("--device", default=D["device"].default, help="hf backend: cpu, cuda, cuda:1, ...; auto: cuda if present (cuda:LOCAL_RANK under torchrun).")
 @click.option("--attn", type=click.Choice(["auto", "flash_attention_2", "sdpa", "eager"]), default=D["attn"].default,
               help="hf backend attention; auto: flash_attention_2 when flash-attn is installed on GPU, else sdpa.")
-@click.option("--device-map", default=None, help="hf backend: transformers device_map (e.g. auto) for a target larger than one GPU.")
+@click.option("--device-map", default=None, show_default=False,
+              help="hf backend: transformers device_map (e.g. auto) for a target larger than one GPU.  [default: none "
+                   "when a copy fits one device, else a device map over every GPU]")
 @click.option("--trust-remote-code", is_flag=True, help="Run modelling/tokenizer code shipped with the target (explicit opt-in).")
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
