@@ -9,6 +9,10 @@ from typing import Any
 
 from eyas_common.contract import DatasetError
 
+# the one description of a prompts file every CLI's --prompts shows
+PROMPTS_HELP = ("JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` string; else plain "
+                "text, one prompt per line.")
+
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
 
@@ -34,8 +38,7 @@ def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
         found = (f"keys {', '.join(map(str, rec))}" if rec else "an empty object") if isinstance(rec, dict) \
             else type(rec).__name__
         raise DatasetError(f"{where}: expected an object with `messages` (OpenAI), `conversations` (ShareGPT) or a "
-                           f"`prompt` string, found {found}; for plain text, one prompt per "
-                           f"line, name the file .txt")
+                           f"`prompt` string, found {found}; for plain text, one prompt per line, name the file .txt")
     # The target answers the last user turn itself: a recorded answer after it is dropped.
     while msgs and msgs[-1]["role"] == "assistant":
         msgs.pop()

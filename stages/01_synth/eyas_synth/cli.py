@@ -7,6 +7,7 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup
+from eyas_common.prompts import PROMPTS_HELP
 from eyas_synth.run import run as run_synth
 from eyas_synth.validate import validate as validate_synth
 
@@ -20,7 +21,7 @@ def main() -> None:
 
 @main.command()
 @click.option("--prompts", type=click.Path(path_type=Path, exists=True, dir_okay=False), required=True,
-              help="JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` string; else plain text, one prompt per line.")
+              help=PROMPTS_HELP)
 @click.option("--name", required=True, help="Dataset name: writes $EYAS_DATA/synth/NAME (resumes it if present).")
 @click.option("--model", type=click.Path(path_type=Path, exists=True, file_okay=False), required=True,
               help="Local folder of the target (its tokenizer checks and renders the token ids); never a hub id.")

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup
+from eyas_common.prompts import PROMPTS_HELP
 from eyas_train.config import TrainConfig
 
 D = TrainConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
@@ -149,8 +150,7 @@ def export(name: str, step: int | None, out: str | None) -> None:
 @click.option("--draft", required=True, help="Draft dataset (drafts/NAME).")
 @click.option("--model", required=True, type=click.Path(exists=True, file_okay=False), help="Target folder (HF).")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Held-out prompts: JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` "
-                   "string; else plain text, one prompt per line.")
+              help="Held-out prompts: " + PROMPTS_HELP)
 @click.option("--spec-tokens", type=click.IntRange(min=1), default=None, show_default=False,
               help="Draft tokens proposed per verification (vLLM's num_speculative_tokens).  [default: the "
                    "draft's own: EAGLE-3 3, DFlash its block size - 1, the block it was trained for]")

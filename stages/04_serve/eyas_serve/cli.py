@@ -9,6 +9,7 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup
+from eyas_common.prompts import PROMPTS_HELP
 from eyas_serve.config import ENGINES, LaunchConfig
 
 L = LaunchConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
@@ -74,7 +75,7 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--server", required=True, help="URL of the server with the draft, e.g. http://127.0.0.1:8000.")
 @click.option("--baseline", default=None, help="URL of the same target without a draft: speedup is measured against it.")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
-              help="Held-out prompts: JSONL of OpenAI `messages` / ShareGPT `conversations` / a `prompt` string, or text lines.")
+              help="Held-out prompts: " + PROMPTS_HELP)
 @click.option("--name", required=True, help="Output dataset bench/NAME.")
 @click.option("--draft", default=None, help="drafts/NAME the server runs: lineage in the manifest.")
 @click.option("--concurrency", default="1,4,16", callback=_levels,
