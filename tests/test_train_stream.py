@@ -29,7 +29,7 @@ from safetensors.torch import load_file
 import eyas_common.lock
 from eyas_common.chat import load_tokenizer
 from eyas_common.contract import Dataset, sha256_file
-from eyas_common.hidden import consumed_marks, made_shards, parse_size, size_text, update_manifest
+from eyas_common.hidden import consumed_marks, made_shards, parse_size, shard_bytes, size_text, update_manifest
 from eyas_common.lock import WriterLock
 
 from eyas_testing.datasets import build_datasets
@@ -139,8 +139,6 @@ def assert_same_training(root: Path, name: str, atol: float, offline: str = "off
     assert a.keys() == b.keys() and all(torch.allclose(a[k].float(), b[k].float(), atol=atol, rtol=0) for k in a)
 
 
-@pytest.mark.slow  # training processes killed and rerun: not in `make test-fast`
-
 def test_a_budget_named_in_a_refusal_reads_back_as_at_least_the_bytes_it_names():
     """The budget a deadlock line tells the user to give, typed back into --disk-budget, is never below the
     bytes the line computed (three digits, rounded up), and both spellings come from one owner."""
@@ -152,6 +150,30 @@ def test_a_budget_named_in_a_refusal_reads_back_as_at_least_the_bytes_it_names()
         parse_size("lots")
 
 
+def test_a_shard_committed_while_the_budget_is_weighed_still_counts(tmp_path, monkeypatch):
+    """The extract's writer thread renames a shard's temp onto its final name while the main thread weighs the
+    next shard: listed as the temp, gone by its stat, the shard still counts (before, it counted 0 bytes and one
+    shard too many went under the budget)."""
+    ds = Dataset.parse("racing", "hidden", tmp_path)
+    ds.path.mkdir(parents=True)
+    (ds.path / "shard-00000.safetensors").write_bytes(b"x" * 300)
+    temp = ds.path / ".shard-00001.safetensors.tmp-77"
+    temp.write_bytes(b"y" * 500)
+    (ds.path / "manifest.json").write_text("{}")
+    listing = Path.iterdir
+
+    def committed_after_listing(self: Path):
+        names = list(listing(self))
+        if self == ds.path and temp.exists():
+            temp.rename(ds.path / "shard-00001.safetensors")
+        return iter(names)
+
+    monkeypatch.setattr(Path, "iterdir", committed_after_listing)
+    assert shard_bytes(ds) == 800
+    assert shard_bytes(ds) == 800  # and once renamed, counted once
+
+
+@pytest.mark.slow  # training processes killed and rerun: not in `make test-fast`
 def test_followed_training_killed_and_rerun_equals_offline_shard_order(data, fixture_target, monkeypatch, tmp_path):
     root, hidden = data
     monkeypatch.setenv("EYAS_DATA", str(root))

@@ -164,14 +164,23 @@ def shard_bytes(ds: Dataset) -> int:
     """Bytes of hidden shards on disk now: final ones, consumed ones not yet deleted, and ones being written
     (their temps have their final size from the start). The disk, not the manifest: a shard is written in the
     background and listed after its rename, so the manifest runs behind it."""
-    total = 0
+    sizes: dict[str, int] = {}  # by final name: a shard renamed while the folder is read counts once
     for p in ds.path.iterdir() if ds.path.is_dir() else []:
-        if p.name.startswith("shard-") or (p.name.startswith(".shard-") and is_temp(p)):
+        if p.name.startswith("shard-"):
+            name = p.name
+        elif p.name.startswith(".shard-") and is_temp(p):
+            name = p.name[1:].split(".tmp-")[0]
+        else:
+            continue
+        # A temp renamed since the listing is its final file now (the writer thread commits while the main
+        # thread weighs the next shard): counting it as gone would let one shard too many under the budget.
+        for path in (p, ds.path / name):
             try:
-                total += p.stat().st_size
-            except FileNotFoundError:  # deleted by --consume or renamed meanwhile
-                pass
-    return total
+                sizes[name] = path.stat().st_size
+                break
+            except FileNotFoundError:  # deleted by --consume
+                continue
+    return sum(sizes.values())
 
 
 def mark_budget_wait(ds: Dataset, manifest: dict[str, Any], wait: dict[str, Any] | None) -> None:
