@@ -5,8 +5,8 @@ For each tiny thinking target and data size:
   2. extract its hidden states (eyas-extract, hf);
   3. train one draft with the defaults (the recipe resolved from the data) and one with the hand recipe;
   4. serve target + draft in vLLM at 3 speculative tokens and run `eyas-serve bench` on held-out prompts
-     (problems of the fixture's held-out split: neither training nor the rule ever saw them) at 1 and 16
-     requests in flight, against the target served alone: the acceptance length from vLLM's spec-decode
+     (problems of the fixture's held-out split: neither training nor the rule ever saw them) at 1, 4 and
+     16 requests in flight, against the target served alone: the acceptance length from vLLM's spec-decode
      counters, the speedup from tokens/s.
 Targets: `llama` (fixture.py: Kimi-style template that opens `<think>` in the prompt, 8 layers, vocab 3000),
 `qwen3` (fixture_qwen3.py: Qwen3 architecture that emits `<think>` itself, 10 layers, vocab 4000), and the
@@ -56,7 +56,7 @@ from eyas_serve.bench import run as bench
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_TOKENS, HELDOUT = 3, 40
-SPEEDUP_AT = (1, 16)  # requests in flight of each cell's speedup (draft over the target alone, tokens/s)
+SPEEDUP_AT = (1, 4, 16)  # requests in flight of each cell's speedup (draft over the target alone, tokens/s)
 # target name -> (builder, vLLM flags for synth, vLLM flags for the measurement, prompt set)
 TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixture"),
            "qwen3": (build_qwen3_fixture, ["--reasoning-parser", "qwen3"], [], "fixture"),
@@ -194,21 +194,23 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     the target alone, at SPEEDUP_AT requests in flight (cached in results/<draft_name>.json)."""
     label = draft_name(target, n, recipe, seed, method)
     out = root / "results" / f"{label}.json"
-    if out.exists():
-        result = json.loads(out.read_text())
+    if out.exists() and measured_at(result := json.loads(out.read_text())) == list(SPEEDUP_AT):
         if result.get("heldout_coverage") is None:  # cached before coverage was measured, or before T_heldout
             result["heldout_coverage"] = draft_coverage(Dataset.parse(label, "drafts", root).path, root, target)
             write_json_atomic(out, result)
         return result
     draft = train_one(root, target, model, n, recipe, seed, method, allow_code_change)
     k = served_spec_tokens(draft, SPEC_TOKENS)
-    if not _complete(root, label, "bench"):
-        say(f"{label}: eyas-serve bench on {HELDOUT} held-out prompts at {k} speculative tokens")
+    # a bench per set of levels: a cell measured at other levels keeps its bench, and is measured again here
+    name = f"{label}_at_{'-'.join(map(str, SPEEDUP_AT))}"
+    if not _complete(root, name, "bench"):
+        say(f"{label}: eyas-serve bench on {HELDOUT} held-out prompts at {k} speculative tokens, "
+            f"{' / '.join(map(str, SPEEDUP_AT))} in flight")
         with running_vllm(model, log_path=root / "logs" / f"vllm_{label}.log", timeout_s=900, draft=draft,
                           spec_tokens=k, extra_args=TARGETS[target][2]) as server:
-            bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=label, draft=f"drafts/{label}",
+            bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=name, draft=f"drafts/{label}",
                   concurrency=SPEEDUP_AT, data_root=root)
-    _, _, results = read_results(f"bench/{label}", root)
+    _, _, results = read_results(f"bench/{name}", root)
     m = json.loads((draft / MANIFEST).read_text())
     val = m["stats"].get("val") or {}
     predicted = (m["stats"].get("predicted_acceptance") or {}).get(str(k))
@@ -219,6 +221,11 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
               "resolved": m["params"]["recipe"], "heldout_coverage": draft_coverage(draft, root, target)}
     write_json_atomic(out, result)
     return result
+
+
+def measured_at(result: dict[str, Any]) -> list[int]:
+    """The requests in flight a cached result's speedups were measured at (none before speedups were)."""
+    return sorted(int(c) for c in result.get("speedup") or {})
 
 
 def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
@@ -246,10 +253,12 @@ def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
 
 
 def _speedups(results: list[dict[str, Any]]) -> str:
-    """Mean speedup at each of SPEEDUP_AT, `1.21x 1.50x`; `-` for results measured before speedups were."""
+    """Mean speedup at each of SPEEDUP_AT, `1.21x 1.38x 1.50x`; `-` for results measured before speedups were,
+    and for a level a result was not measured at."""
     if not results or any("speedup" not in x for x in results):
         return "-"
-    return " ".join(f"{_mean(x['speedup'][str(c)] for x in results):.2f}x" for c in SPEEDUP_AT)
+    means = [_mean(x["speedup"].get(str(c)) for x in results) for c in SPEEDUP_AT]
+    return " ".join("-" if m is None else f"{m:.2f}x" for m in means)
 
 
 def _mean(values: Any) -> float | None:

@@ -450,9 +450,13 @@ def test_bench_quality_runs_dflash_beside_eagle3():
     table = quality.table([{"defaults": [cell]}, {"defaults": [cell | {"method": "dflash", "spec_tokens": 7}]}])
     lines = table.splitlines()
     assert "| method (K) |" in lines[0] and "| eagle3 (3) |" in lines[2] and "| dflash (7) |" in lines[3], table
-    # speedups at 1 and 16 in flight where the cell measured them (cells cached before them show "-")
-    assert "| - / - |" in lines[2]
-    timed = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "16": 1.5}}]}]).splitlines()[2]
-    assert "| 1.20x 1.50x / - |" in timed, timed
+    # speedups at 1, 4 and 16 in flight where the cell measured them (cells cached before them show "-")
+    assert "| - / - |" in lines[2] and quality.SPEEDUP_AT == (1, 4, 16)
+    timed = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "4": 1.3, "16": 1.5}}]}]).splitlines()[2]
+    assert "| 1.20x 1.30x 1.50x / - |" in timed, timed
+    older = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "16": 1.5}}]}]).splitlines()[2]
+    assert "| 1.20x - 1.50x / - |" in older, older
+    # such a cell is measured again when the bench runs: its levels are not SPEEDUP_AT's
+    assert quality.measured_at({"speedup": {"16": 1.5, "1": 1.2}}) == [1, 16] and quality.measured_at({}) == []
     covered = quality.table([{"defaults": [cell | {"heldout_coverage": 0.99}]}]).splitlines()
     assert "held-out coverage" in covered[0] and "| 0.990 / - |" in covered[2], covered
