@@ -60,8 +60,10 @@ SPEEDUP_AT = (1, 4, 16)  # requests in flight of each cell's speedup (draft over
 # target name -> (builder, vLLM flags for synth, vLLM flags for the measurement, prompt set)
 TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixture"),
            "qwen3": (build_qwen3_fixture, ["--reasoning-parser", "qwen3"], [], "fixture"),
-           # 30 layers: eager mode starts in about a minute on CPU, graph capture takes several
-           "smollm2": (build_smollm2_fixture, ["--enforce-eager"], ["--enforce-eager"], "real")}
+           # 30 layers: eager mode starts in about a minute on CPU, graph capture takes several; synth serves
+           # 2,048 tokens of context (some MMLU questions run past 1,000 tokens, and an answer takes 256 more)
+           "smollm2": (build_smollm2_fixture, ["--enforce-eager", "--max-model-len", "2048"], ["--enforce-eager"],
+                       "real")}
 # The best hand recipe found on the Llama fixture (stages/03_train/README.md): all samples, no validation, and
 # on a fixture's prompt set a 1,024-token draft vocabulary. A real target keeps the default 32,000: on SmolLM2 (500
 # training answers, 5,276 distinct tokens) 1,024 covers 74% of the held-out answers' tokens, 8,192 92%, 32,000 99%
