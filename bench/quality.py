@@ -74,6 +74,9 @@ RECIPES = ("defaults", "hand")
 # What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
 NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
 QUIET = dict(log_every=100, ckpt_every=100)  # a checkpoint every 100 steps: a real target trains for hours on a CPU
+# A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 15 min on 2 CPU cores (the
+# default 2,048 would make its 2,000-sample cell one shard of two hours, lost whole to a kill)
+SHARD_SAMPLES = 250
 
 
 def say(msg: str) -> None:
@@ -160,7 +163,7 @@ def train_one(root: Path, target: str, model: Path, n: int, recipe: str, seed: i
     if not _complete(root, name, "hidden"):
         say(f"{name}: extract ({method} layers)")
         extract(synth=f"synth/{target}_{n}", model=model, name=name, method=method, data_root=root, progress=False,
-                allow_code_change=allow_code_change)
+                shard_samples=SHARD_SAMPLES, allow_code_change=allow_code_change)
     draft = draft_name(target, n, recipe, seed, method)
     if not _complete(root, draft, "drafts"):
         say(f"{draft}: train")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -515,6 +516,16 @@ def test_synth_fits_max_tokens_to_real_vllm_and_stops_on_its_4xx(vllm_server, fi
     with pytest.raises(DatasetError, match=r"the first 2 requests all failed alike, so the run stopped: HTTP 404"):
         synth(prompts=prompts, name="wrongmodel", model=fixture_target, servers=[vllm_server.url], n=2,
               served_model="no-such-model", data_root=tmp_path, progress=False)
+    # prompts that leave no room in the context: all of them named in one line, with the context that fits
+    long = tmp_path / "long.txt"
+    long.write_text("what is 2 + 2?\n" + " ".join(["seven"] * 1100) + "\n\n" + " ".join(["nine"] * 1500) + "\n")
+    with pytest.raises(DatasetError) as e:
+        synth(prompts=long, name="long", model=fixture_target, servers=[vllm_server.url], n=3, max_tokens=64,
+              data_root=tmp_path, progress=False)
+    line = str(e.value)
+    got = re.search(r"2 prompt\(s\) leave no room .* \(max_model_len 1024\): 2 \(([\d,]+) tokens\), "
+                    r"3 \(([\d,]+) tokens\) \(counting non-blank lines\)\. .* --max-model-len (\d+) \(the longest", line)
+    assert got and int(got[3]) == int(got[2].replace(",", "")) + 64 > int(got[1].replace(",", "")) >= 1024, line
 
 
 def test_synth_stats_agree_whether_or_not_the_run_was_interrupted(tmp_path, fixture_target, tok):

@@ -13,7 +13,7 @@ import torch
 
 from eyas_common.checkpoint import read_checkpoint_size
 from eyas_common.contract import DatasetError
-from eyas_extract.placement import Devices, estimate_seconds, plan_placement
+from eyas_extract.placement import Devices, estimate_seconds, plan_placement, shard_work_note
 from eyas_extract.run import run as extract
 
 # Kimi-K2.5's text model as its config.json records it (DeepseekV3 shape), and its checkpoint's
@@ -154,3 +154,15 @@ def test_device_map_over_two_devices_gives_the_same_shards(root: Path, fixture_t
     assert manifest["status"] == "complete" and manifest["params"]["max_memory"] == {"cpu": f"{half // 1024}KiB"}
     one, two = _tensors(root / "hidden" / "one"), _tensors(root / "hidden" / "two")
     assert one and one == two
+
+
+def test_a_shard_of_long_work_gets_smaller_shards_suggested():
+    """An interrupted extraction keeps only finished shards: when each is more than half an hour of work (a real
+    target on a CPU), the start line names the --shard-mb that makes one about every 15 min."""
+    # SmolLM2-135M x 2,000 answers on 2 CPU cores: 434,808 tokens in one 2.006 GB shard, estimated at 111 min
+    note = shard_work_note(6660, 1, 2_006_000_000)
+    assert note == ("each of the 1 shard(s) is about 111 min of work, and an interrupted run keeps only finished "
+                    "shards: --shard-mb 258 makes one about every 15 min"), note
+    assert shard_work_note(6660, 8, 2_006_000_000) is None  # 14 min each
+    assert shard_work_note(40, 1, 2 << 30) is None  # a 2 GiB shard on a GPU: seconds
+    assert shard_work_note(6660, 0, 2_006_000_000) is None  # a resumed dataset keeps its shard size

@@ -190,12 +190,25 @@ def _render_prompts(conversations: list[list[dict]], todo: list[int], tokenizer,
         except Exception as e:  # noqa: BLE001 - jinja raises its own types for what a template rejects
             raise DatasetError(f"{cfg.prompts}: prompt {pi + 1} (counting non-blank lines) is refused by the "
                                f"target's chat template: {e}. Fix or drop that prompt") from None
-        room = None if cfg.max_model_len is None else cfg.max_model_len - len(out[pi])
-        if room is not None and room < 1:
-            raise DatasetError(f"{cfg.prompts}: prompt {pi + 1} is {len(out[pi])} tokens, but the server's context "
-                               f"(max_model_len) is {cfg.max_model_len}: shorten or drop that prompt, or serve the "
-                               f"target with a longer --max-model-len")
+    _refuse_too_long(out, cfg)
     return out
+
+
+def _refuse_too_long(prompt_ids: dict[int, list[int]], cfg: SynthConfig) -> None:
+    """Every prompt that leaves no room for an answer in the server's context, named at once (one fix, one rerun)."""
+    if cfg.max_model_len is None:
+        return
+    over = {pi: len(ids) for pi, ids in prompt_ids.items() if len(ids) >= cfg.max_model_len}
+    if not over:
+        return
+    named = ", ".join(f"{pi + 1} ({n:,} tokens)" for pi, n in sorted(over.items())[:5])
+    longest = max(over.values())
+    raise DatasetError(
+        f"{cfg.prompts}: {len(over)} prompt(s) leave no room for an answer in the server's context "
+        f"(max_model_len {cfg.max_model_len}): {named}{f' and {len(over) - 5} more' if len(over) > 5 else ''} "
+        f"(counting non-blank lines). Shorten or drop them, or serve the target with --max-model-len "
+        f"{longest + cfg.max_tokens} (the longest prompt, {longest:,} tokens, and its --max-tokens "
+        f"{cfg.max_tokens:,})")
 
 
 def _payload(st: RunState, sid: int) -> dict[str, Any]:

@@ -178,6 +178,19 @@ def format_seconds(s: float) -> str:
     return f"{s / 3600:.1f} h"
 
 
+SHARD_WORK_S = 30 * 60  # past this much work per shard the start line suggests smaller shards
+
+
+def shard_work_note(seconds: float, shards: int, disk_bytes: int) -> str | None:
+    """A hint when each shard is long work: an interrupted run keeps only its finished shards (the default
+    2 GiB shard is seconds of GPU work, and can be hours on a CPU)."""
+    if shards < 1 or seconds / shards <= SHARD_WORK_S:
+        return None
+    mib = max(1, int(disk_bytes * (SHARD_WORK_S / 2) / seconds) >> 20)  # the MiB made in half that time
+    return (f"each of the {shards} shard(s) is about {format_seconds(seconds / shards)} of work, and an interrupted run "
+            f"keeps only finished shards: --shard-mb {mib} makes one about every {format_seconds(SHARD_WORK_S / 2)}")
+
+
 def tokens_note(tokens: int, seconds: float) -> str:
     return f"{tokens:,} tokens in about {format_seconds(seconds)} (at {ASSUMED_MFU:.0%} of peak; a guess, not a measure)"
 

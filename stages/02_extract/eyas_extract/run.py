@@ -40,7 +40,7 @@ from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
 from eyas_extract.follow import ConsumerDone, Follower, check_shards, list_shards, resume_terms, wait_for_budget
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
-from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, tokens_note
+from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, shard_work_note, tokens_note
 
 
 
@@ -71,7 +71,7 @@ def _model_dims(model: Path) -> tuple[int, int, int]:
 
 
 def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max_memory: dict[str, str] | None,
-           tokens: int, quiet: bool) -> Plan:
+           tokens: int, quiet: bool, fresh_shards: int = 0, disk_bytes: int = 0) -> Plan:
     """Plan where the target goes (placement.py), print the plan, and put its choices into `cfg`."""
     size = read_checkpoint_size(model)
     found = Devices.parse(devices) if devices else Devices.detect()
@@ -86,7 +86,10 @@ def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max
     cfg.placement = plan.describe()
     if not quiet:
         log(f"placement: {cfg.placement}")
-        log(f"estimated time: {tokens_note(tokens, estimate_seconds(plan, size, found, tokens))}")
+        seconds = estimate_seconds(plan, size, found, tokens)
+        log(f"estimated time: {tokens_note(tokens, seconds)}")
+        if note := shard_work_note(seconds, fresh_shards, disk_bytes):  # a started dataset keeps its shards
+            log(note)
     return plan
 
 
@@ -223,7 +226,8 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
     job = _plan(opts, data_root)
     size, tokens, free = _disk_bill(job)
     placement = _place(job.cfg, Path(opts.model), opts.devices, job.ranks.world, opts.max_memory, tokens,
-                       quiet=job.ranks.rank != 0)
+                       quiet=job.ranks.rank != 0, disk_bytes=size,
+                       fresh_shards=0 if job.follower or job.ds.exists() else len(job.todo))
     if opts.dry_run:
         log(f"dry run: {'enough' if size <= free else 'NOT enough (the run would be refused)'} disk; "
             f"nothing loaded or written")
