@@ -74,8 +74,8 @@ RECIPES = ("defaults", "hand")
 # What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
 NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
 QUIET = dict(log_every=100, ckpt_every=100)  # a checkpoint every 100 steps: a real target trains for hours on a CPU
-# A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 15 min on 2 CPU cores (the
-# default 2,048 would make its 2,000-sample cell one shard of two hours, lost whole to a kill)
+# A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 2 min on 2 CPU cores (the
+# default 2 GiB holds its whole 2,000-sample cell: one shard, lost whole to a kill)
 SHARD_SAMPLES = 250
 
 

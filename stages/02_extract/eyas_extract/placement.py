@@ -23,10 +23,12 @@ from eyas_common.contract import DatasetError
 HEADROOM = 0.10
 # Assumed utilisation of a device's peak for the time estimate (a forward without the logits).
 ASSUMED_MFU = 0.35
-# Dense bf16 peak, FLOP/s, by device name; unknown GPUs use the smallest, CPUs a modest guess.
+# Dense bf16 peak, FLOP/s, by device name; unknown GPUs use the smallest.
 PEAK_FLOPS = {"B200": 2.25e15, "B300": 2.25e15, "H200": 0.99e15, "H100": 0.99e15, "H20": 0.148e15,
               "A100": 0.312e15, "RTX PRO 6000": 0.5e15, "L40S": 0.362e15, "5090": 0.21e15}
-CPU_FLOPS = 5e10
+# A CPU core's fp32 peak, FLOP/s: two 8-wide FMA units at ~3 GHz. Anchor: SmolLM2-135M (2.7e8 FLOP a token)
+# extracted at ~400 tokens/s on 2 EPYC cores, ~55% of this; a whole-CPU 5e10 had guessed 6x too slow.
+CPU_CORE_FLOPS = 1e11
 
 
 @dataclass(frozen=True)
@@ -152,7 +154,7 @@ def _plan_vllm(need: int, per: int, n: int, moe: bool, nproc: int) -> Plan:
 def estimate_seconds(plan: Plan, size: CheckpointSize, devices: Devices, tokens: int) -> float:
     """A rough forward-only time: 2 x active params FLOPs per token at ASSUMED_MFU of the peak."""
     active = size.active_params() or estimate_active_params(size.text)
-    peak = CPU_FLOPS if devices.kind == "cpu" else next(
+    peak = CPU_CORE_FLOPS * len(os.sched_getaffinity(0)) if devices.kind == "cpu" else next(
         (v for k, v in PEAK_FLOPS.items() if k in devices.name), min(PEAK_FLOPS.values()))
     working = plan.ranks if plan.kind == "data_parallel" else plan.tensor_parallel_size
     return 2 * active * tokens / (peak * ASSUMED_MFU * max(1, working))
