@@ -159,7 +159,7 @@ def test_device_map_over_two_devices_gives_the_same_shards(root: Path, fixture_t
 def test_a_shard_of_long_work_gets_smaller_shards_suggested():
     """An interrupted extraction keeps only finished shards: when each is more than half an hour of work (a real
     target on a CPU), the start line names the --shard-mb that makes one about every 15 min."""
-    # SmolLM2-135M x 2,000 answers on 2 CPU cores: 434,808 tokens in one 2.006 GB shard, estimated at 111 min
+    # one 2.006 GB shard estimated at 111 min (SmolLM2-135M x 2,000 answers, as the old whole-CPU guess saw 2 cores)
     note = shard_work_note(6660, 1, 2_006_000_000)
     assert note == ("each of the 1 shard(s) is about 111 min of work, and an interrupted run keeps only finished "
                     "shards: --shard-mb 258 makes one about every 15 min"), note

@@ -189,8 +189,9 @@ def shard_work_note(seconds: float, shards: int, disk_bytes: int) -> str | None:
     if shards < 1 or seconds / shards <= SHARD_WORK_S:
         return None
     mib = max(1, int(disk_bytes * (SHARD_WORK_S / 2) / seconds) >> 20)  # the MiB made in half that time
-    return (f"each of the {shards} shard(s) is about {format_seconds(seconds / shards)} of work, and an interrupted run "
-            f"keeps only finished shards: --shard-mb {mib} makes one about every {format_seconds(SHARD_WORK_S / 2)}")
+    return (f"each of the {shards} shard(s) is about {format_seconds(seconds / shards)} of work, and an interrupted "
+            f"run keeps only finished shards: --shard-mb {mib} makes one about every "
+            f"{format_seconds(SHARD_WORK_S / 2)}")
 
 
 def tokens_note(tokens: int, seconds: float) -> str:
