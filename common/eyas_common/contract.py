@@ -166,6 +166,11 @@ def is_temp(path: Path) -> bool:
     return path.name.startswith(".") and ".tmp-" in path.name
 
 
+def temp_target(tmp: Path) -> Path:
+    """The file temp `tmp` (temp_path's) becomes on its rename."""
+    return tmp.with_name(tmp.name[1:].rsplit(".tmp-", 1)[0])
+
+
 def commit_temp(tmp: Path, path: Path) -> None:
     """fsync the finished temp file, rename it onto `path`, fsync the folder: the last step of every atomic write."""
     with open(tmp, "rb") as f:

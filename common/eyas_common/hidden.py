@@ -51,7 +51,8 @@ import torch
 from safetensors import safe_open
 
 from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, open_input,
-                                  raise_write_error, sha256_file, temp_path, write_json_atomic)
+                                  raise_write_error, sha256_file, temp_path, temp_target,
+                                  write_json_atomic)
 from eyas_common.lock import any_holder
 
 FORMAT = "eyas.hidden/1"
@@ -169,7 +170,7 @@ def shard_bytes(ds: Dataset) -> int:
         if p.name.startswith("shard-"):
             name = p.name
         elif p.name.startswith(".shard-") and is_temp(p):
-            name = p.name[1:].split(".tmp-")[0]
+            name = temp_target(p).name
         else:
             continue
         # A temp renamed since the listing is its final file now (the writer thread commits while the main

@@ -71,7 +71,7 @@ def _model_dims(model: Path) -> tuple[int, int, int]:
 
 
 def _place(cfg: ExtractConfig, model: Path, devices: str | None, world: int, max_memory: dict[str, str] | None,
-           tokens: int, quiet: bool, fresh_shards: int = 0, disk_bytes: int = 0) -> Plan:
+           tokens: int, *, quiet: bool, fresh_shards: int, disk_bytes: int) -> Plan:
     """Plan where the target goes (placement.py), print the plan, and put its choices into `cfg`."""
     size = read_checkpoint_size(model)
     found = Devices.parse(devices) if devices else Devices.detect()
