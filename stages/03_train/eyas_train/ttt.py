@@ -62,10 +62,10 @@ from torch import nn
 from eyas_train.model import Eagle3Draft, upcast
 
 # Elements of one chunk's [rows, Vd] logits in the draft-vocabulary loss, by device: on a CPU 8 MiB (fp32), which
-# stays in cache and in the allocator's heap (larger blocks are mapped afresh, page faults and all, each
-# time); on a GPU 128 MiB, rows enough to keep its kernels large. Never under LOSS_CHUNK_ROWS rows: dL/dW
-# adds a [Vd, H] product over the chunk's rows, which is memory-bound with fewer (measured on a CPU at
-# Vd 32,000: 64 rows a chunk took 1.6x the time of 256).
+# stays in cache (on 2 cores, 4x the rows was 5% slower at Vd 8,192 and 3,000); on a GPU 128 MiB, rows enough
+# to keep its kernels large. Never under LOSS_CHUNK_ROWS rows: dL/dW adds a [Vd, H] product over the chunk's
+# rows, which is memory-bound with fewer (measured on a CPU at Vd 32,000: 64 rows a chunk took 1.6x the time
+# of 256; 512 and 1,024 rows gained 3-4% more there).
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 25}
 LOSS_CHUNK_ROWS = 256
 
@@ -170,6 +170,56 @@ def step_counts(loss_mask: torch.Tensor, steps: int, segment: torch.Tensor | Non
     return torch.stack([ahead(loss_mask, 2 + k, segment).sum() for k in range(steps)]).float()
 
 
+def _vocab_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
+                       row_weight: torch.Tensor, chunk_rows: int, want_grad: bool):
+    """The loop of _DraftVocabLoss.forward: (ce [N], best [N], dL/dh, dL/dW), the gradients None unless wanted.
+    Products run in h's dtype (bf16 under autocast; the weight cast once, not per chunk), sums in fp32 (fp64
+    stays). Every [rows, Vd] or [Vd, H] block is a buffer made once: on a CPU a fresh block that large is
+    mapped anew and faulted in page by page, which cost more than the arithmetic (Vd 32,000 on 2 cores)."""
+    n, real = h.shape[0], upcast(h).dtype
+    rows, vocab = min(n, chunk_rows), weight.shape[0]
+    w = weight.to(h.dtype)
+    low = h.dtype != real                                      # bf16 products, fp32 sums
+    p_buf = target_p.new_empty(rows, vocab)                    # the chunk's teacher rows
+    z_buf, scratch = h.new_empty(rows, vocab, dtype=real), h.new_empty(rows, vocab, dtype=real)
+    low_buf = h.new_empty(rows, vocab) if low else None        # bf16 logits, then bf16 G
+    ce = row_weight.new_zeros(n)
+    best = torch.zeros(n, dtype=torch.long, device=h.device)
+    grad_h = torch.zeros_like(h, dtype=real) if want_grad else None
+    # dL/dW summed transposed, [H, Vd]: the bf16 product comes out that way fastest, and an fp32 sum of a bf16
+    # block needs a converted copy, kept in a buffer too.
+    grad_wt = weight.new_zeros(weight.shape[1], vocab, dtype=upcast(weight).dtype) if want_grad else None
+    product = w.new_empty(w.shape[1], vocab) if want_grad and low else None
+    converted = torch.empty_like(grad_wt) if want_grad and low else None
+    for lo in range(0, n, chunk_rows):
+        part = slice(lo, lo + chunk_rows)
+        hc = h[part]
+        r = hc.shape[0]
+        p = torch.index_select(target_p, 0, teacher_rows[part], out=p_buf[:r])
+        if low:
+            z = z_buf[:r].copy_(torch.mm(hc, w.t(), out=low_buf[:r]))
+        else:
+            z = torch.mm(hc, w.t(), out=z_buf[:r])             # the chunk's logits [rows, Vd]
+        top, best[part] = z.max(-1)
+        z.sub_(top[:, None])                                   # z - max z: exp cannot overflow
+        m = p.sum(-1)
+        dot = torch.mul(p, z, out=scratch[:r]).sum(-1)         # <p, z - max z>
+        e = z.exp_()                                           # exp(z - max z), over the logits
+        total = e.sum(-1)
+        ce[part] = m * total.log() - dot                       # = m lse(z) - <p, z>
+        if not want_grad:
+            continue
+        g = e.mul_((m / total)[:, None]).sub_(p).mul_(row_weight[part, None])  # G = w (m softmax(z) - p)
+        if low:
+            g = low_buf[:r].copy_(g)
+        grad_h[part] = g @ w                                   # W^T G
+        if low:                                                # (sum_i G_i h_i^T)^T: a bf16 product, fp32 sum
+            grad_wt += converted.copy_(torch.mm(hc.t().contiguous(), g, out=product))
+        else:
+            grad_wt.addmm_(hc.t(), g)                          # accumulated in the product (no temporary)
+    return ce, best, grad_h, None if grad_wt is None else grad_wt.t().contiguous()
+
+
 class _DraftVocabLoss(torch.autograd.Function):
     """L = sum_i w_i ce_i over rows h [N, H] through lm_head `weight` [Vd, H], chunked (the math: module doc).
     Returns L, and per row ce [N] and the draft argmax [N] (no gradient)."""
@@ -177,24 +227,9 @@ class _DraftVocabLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
                 row_weight: torch.Tensor, chunk_rows: int, want_grad: bool):
-        n = h.shape[0]
-        ce = row_weight.new_zeros(n)
-        best = torch.zeros(n, dtype=torch.long, device=h.device)
-        grad_h = torch.zeros_like(h, dtype=upcast(h).dtype) if want_grad else None
-        grad_w = torch.zeros_like(weight, dtype=upcast(weight).dtype) if want_grad else None
-        for lo in range(0, n, chunk_rows):
-            part = slice(lo, lo + chunk_rows)
-            hc, p = h[part], target_p[teacher_rows[part]]
-            logq = upcast(F.linear(hc, weight)).log_softmax(-1)  # z - lse(z), the chunk's [rows, Vd]
-            ce[part] = -(p * logq).sum(-1)                     # = m lse(z) - <p, z>
-            best[part] = logq.argmax(-1)
-            if want_grad:                                      # G = w (m softmax(z) - p), in place over logq
-                g = logq.exp_().mul_(p.sum(-1, keepdim=True)).sub_(p).mul_(row_weight[part, None])
-                grad_h[part] = F.linear(g.to(hc.dtype), weight.t())       # W^T G
-                if hc.dtype == grad_w.dtype:                           # sum_i G_i h_i^T, accumulated in the
-                    grad_w.addmm_(g.t(), hc)                           # product (no [Vd, H] temporary)
-                else:                                                  # autocast: a bf16 product, fp32 sum
-                    grad_w += F.linear(g.t().to(hc.dtype), hc.t())
+        with torch.autocast(h.device.type, enabled=False):    # the dtypes are chosen in the loop
+            ce, best, grad_h, grad_w = _vocab_loss_chunks(h, weight, target_p, teacher_rows, row_weight, chunk_rows,
+                                                          want_grad)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.mark_non_differentiable(ce, best)
