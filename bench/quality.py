@@ -74,6 +74,10 @@ RECIPES = ("defaults", "hand")
 # What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
 NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
 QUIET = dict(log_every=100, ckpt_every=100)  # a checkpoint every 100 steps: a real target trains for hours on a CPU
+# vLLM's prompt lookup: draft tokens copied from the request's own earlier tokens (an n-gram of 2 to 4 found
+# again proposes what followed it), no model to train: the reference a trained draft has to beat.
+PROMPT_LOOKUP = {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 2,
+                 "prompt_lookup_max": 4}
 # A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 2 min on 2 CPU cores (the
 # default 2 GiB holds its whole 2,000-sample cell: one shard, lost whole to a kill)
 SHARD_SAMPLES = 250
@@ -228,6 +232,30 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
     return result
 
 
+def prompt_lookup(root: Path, target: str, model: Path, heldout: Path, baseline: Baseline) -> str:
+    """vLLM's prompt lookup (PROMPT_LOOKUP) on the held-out prompts at SPEEDUP_AT in flight against the target
+    alone, as one line. Its acceptance length counts only the steps where an n-gram matched and it drafted;
+    tokens per target step counts every step, as a draft that proposes on every step (EAGLE-3) counts."""
+    name = f"{target}_prompt_lookup_at_{'-'.join(map(str, SPEEDUP_AT))}"
+    if not _complete(root, name, "bench"):
+        say(f"{target}: vLLM's prompt lookup on {HELDOUT} held-out prompts, "
+            f"{' / '.join(map(str, SPEEDUP_AT))} in flight")
+        spec_args = ["--speculative-config", json.dumps(PROMPT_LOOKUP)]
+        with running_vllm(model, log_path=root / "logs" / f"vllm_{name}.log", timeout_s=900,
+                          extra_args=[*TARGETS[target][2], *spec_args]) as server:
+            bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=name, concurrency=SPEEDUP_AT,
+                  data_root=root)
+    _, _, results = read_results(f"bench/{name}", root)
+    spec = results["spec"]
+    steps = sum(lv["draft"]["output_tokens"] for lv in results["levels"]) / spec["tokens_per_step"]
+    speedups = " ".join(f"{lv['speedup']:.2f}x" for lv in results["levels"])
+    return (f"{target}: prompt lookup (vLLM n-gram {PROMPT_LOOKUP['prompt_lookup_min']}-"
+            f"{PROMPT_LOOKUP['prompt_lookup_max']}, K {SPEC_TOKENS}, no draft model): "
+            f"{_f(spec['tokens_per_step'])} tokens per target step; acceptance length "
+            f"{_f(spec['acceptance_length'])} over the {spec['drafts'] / steps:.0%} of steps it drafted on; "
+            f"speedup {speedups} at {' / '.join(map(str, SPEEDUP_AT))} in flight")
+
+
 def measured_at(result: dict[str, Any]) -> list[int]:
     """The requests in flight a cached result's speedups were measured at (none before speedups were)."""
     return sorted(int(c) for c in result.get("speedup") or {})
@@ -293,6 +321,9 @@ def main() -> None:
                    help=f"comma-separated draft methods, one row each: {', '.join(METHODS)} (default eagle3)")
     p.add_argument("--seeds", type=int, default=1,
                    help="seeds 0..S-1 per recipe and cell; the table shows their mean and range (default 1)")
+    p.add_argument("--prompt-lookup", action="store_true",
+                   help="also measure vLLM's prompt lookup (n-gram speculation from the request's own tokens, no "
+                        "draft model) on each target's held-out prompts: the reference a trained draft must beat")
     p.add_argument("--allow-code-change", action="store_true",
                    help="resume a cell's extraction or training that an earlier commit started (its manifest then "
                         "lists both versions); without it such a cell is refused")
@@ -311,13 +342,16 @@ def main() -> None:
         p.error(f"--seeds {a.seeds}: at least 1")
     root = Path(os.environ.get("EYAS_DATA", ROOT / "data" / "bench-quality"))
     t0 = time.monotonic()
-    rows = []
+    rows, references = [], []
     for target in targets:
         model = TARGETS[target][0]()
         heldout = write_prompts(root / "prompts" / f"{target}_heldout.jsonl", target, HELDOUT, 11, "heldout")
         synth_all(root, target, model, sizes, heldout)
         baseline = Baseline(root, target, model)
         try:
+            if a.prompt_lookup:  # minutes: before the cells, which train for hours on a CPU
+                references.append(prompt_lookup(root, target, model, heldout, baseline))
+                print("\n".join(references), flush=True)
             for n in sorted(sizes):
                 for method in methods:
                     rows.append({r: [measure(root, target, model, n, r, heldout, baseline, seed, method,
@@ -326,6 +360,8 @@ def main() -> None:
                     print(table(rows), flush=True)
         finally:
             baseline.close()
+    if references:
+        print("\n" + "\n".join(references))
     print(f"\nvLLM at K speculative tokens (EAGLE-3 {SPEC_TOKENS}, DFlash block size - 1), {HELDOUT} held-out "
           f"prompts, greedy; speedup: tokens/s of target + draft over the target alone at "
           f"{' / '.join(map(str, SPEEDUP_AT))} in flight (eyas-serve bench); hand recipe: {HAND}; "

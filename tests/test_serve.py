@@ -103,6 +103,16 @@ def test_vllm_metrics_recorded_from_a_real_server():
                                                                                     zip(c.per_position, (10, 9, 6))))
     assert (later - c).summary()["acceptance_length"] == pytest.approx(3.5)
     assert (later - c).summary()["per_position"] == pytest.approx([1.0, 0.9, 0.6])
+    # every step of the target, drafted or not: its first-token and later-token latencies, one a step each
+    steps = _sample(text, "vllm:time_to_first_token_seconds_count") + _sample(
+        text, "vllm:inter_token_latency_seconds_count")
+    assert (c.tokens, c.steps) == (_sample(text, "vllm:generation_tokens_total"), steps)
+    assert s["tokens_per_step"] == pytest.approx(c.tokens / steps)
+    assert c.steps == c.drafts + _sample(text, "vllm:time_to_first_token_seconds_count")  # EAGLE-3 drafts every step
+    # 40 more tokens in 20 steps of which 10 carried a draft (a proposer that drafts only on a match)
+    sparse = SpecCounters(c.drafts + 10, c.draft_tokens + 30, c.accepted + 20, c.per_position, c.tokens + 40,
+                          c.steps + 20)
+    assert (sparse - c).summary()["acceptance_length"] == 3.0 and (sparse - c).summary()["tokens_per_step"] == 2.0
 
 
 def test_a_server_without_a_draft_has_no_spec_metrics():
@@ -170,6 +180,8 @@ def test_bench_dataset_round_trip_and_refusals(tmp_path, fixture_target):
         validate_results(bad)
     with pytest.raises(DatasetError, match="at least 1"):
         validate_results({**results, "spec": {**results["spec"], "acceptance_length": 0.5}})
+    with pytest.raises(DatasetError, match=r"tokens_per_step is 0.5; .* at least 1"):
+        validate_results({**results, "spec": {**results["spec"], "tokens_per_step": 0.5}})
 
 
 def test_a_second_bench_writer_is_refused_and_the_first_ones_results_stand(tmp_path):

@@ -122,6 +122,8 @@ def test_bench_acceptance_is_the_servers_own(served, vllm_server, trained_draft,
     level = results["levels"][0]
     assert level["draft"]["requests"] == level["baseline"]["requests"] == 40 and level["draft"]["errors"] == 0
     assert level["speedup"] == pytest.approx(level["draft"]["tokens_per_s"] / level["baseline"]["tokens_per_s"])
+    # the server's own step count: 40 prefills and the verified drafts (EAGLE-3 drafts after every step)
+    assert spec["tokens_per_step"] == pytest.approx(level["draft"]["output_tokens"] / (spec["drafts"] + 40)), spec
     assert [i["ref"] for i in manifest["inputs"]][:3] == ["drafts/fixture_trained", "hidden/fixture_400_0",
                                                           "synth/fixture_400_0"]
     assert manifest["target"]["model"] == str(fixture_target) and (ds.path / "bench.png").stat().st_size > 0

@@ -12,8 +12,10 @@ results.json:
         concurrency
         draft / baseline: {requests, errors, output_tokens, duration_s, tokens_per_s,
                            ttft_ms: {p50, p90}, itl_ms: {p50, p90}}   (baseline null without --baseline)
-        spec: {drafts, draft_tokens, accepted, acceptance_length, per_position: [...]}  or null when the
-              server exposes no speculative counters (never a made-up 1.0)
+        spec: {drafts, draft_tokens, accepted, acceptance_length, per_position: [...], tokens_per_step}
+              or null when the server exposes no speculative counters (never a made-up 1.0);
+              acceptance_length counts the steps that carried a draft, tokens_per_step every step of the
+              target (null where the engine does not count steps; absent from older results)
         speedup: draft tokens/s over baseline tokens/s, or null
     spec: the same counters summed over every level (the headline acceptance), or null
 This module is the only reader and writer of these files; stage 04 and the demo go through it.
@@ -71,9 +73,10 @@ def _check_spec(block: Any, where: str) -> None:
         return
     if not isinstance(block, dict) or any(k not in block for k in _SPEC_KEYS):
         raise DatasetError(f"{where}: needs {', '.join(_SPEC_KEYS)} (or null when the server has no spec metrics)")
-    if block["acceptance_length"] is not None and block["acceptance_length"] < 1:
-        raise DatasetError(f"{where}.acceptance_length is {block['acceptance_length']}; it counts the bonus "
-                           f"token, so it is at least 1")
+    for key in ("acceptance_length", "tokens_per_step"):
+        if block.get(key) is not None and block[key] < 1:
+            raise DatasetError(f"{where}.{key} is {block[key]}; it counts the target's own token, so it is at "
+                               f"least 1")
 
 
 def validate_results(results: Any, where: str = RESULTS) -> None:

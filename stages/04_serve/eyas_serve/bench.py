@@ -50,7 +50,7 @@ def _spec_block(before: Any, after: Any) -> dict[str, Any] | None:
         return (after - before).summary() if isinstance(before, SpecCounters) else after.summary()
     if isinstance(after, float):  # SGLang: a running mean since start-up, no counts
         return {"drafts": None, "draft_tokens": None, "accepted": None, "acceptance_length": after,
-                "per_position": None, "cumulative_since_start": True}
+                "per_position": None, "tokens_per_step": None, "cumulative_since_start": True}
     return None
 
 
@@ -83,6 +83,8 @@ def _say_level(level: dict[str, Any]) -> None:
         msg += f", baseline {b['tokens_per_s']:.1f} tok/s, speedup {level['speedup']:.2f}x"
     if s and s["acceptance_length"] is not None:
         msg += f", acceptance length {s['acceptance_length']:.2f}"
+    if s and s.get("tokens_per_step") is not None:
+        msg += f", {s['tokens_per_step']:.2f} tokens per target step"
     if d["errors"]:
         msg += f"; {d['errors']} failed requests, e.g. {d['first_errors'][0]}"
     say(msg)

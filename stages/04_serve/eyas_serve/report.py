@@ -21,13 +21,14 @@ def table(results: dict[str, Any], manifest: dict[str, Any]) -> str:
     else:
         lines.append("acceptance length: not reported (the server exposes no speculative counters)")
     lines.append("")
-    head = (f"{'conc':>5} {'tok/s draft':>12} {'tok/s base':>11} {'speedup':>8} {'acc len':>8} "
+    head = (f"{'conc':>5} {'tok/s draft':>12} {'tok/s base':>11} {'speedup':>8} {'acc len':>8} {'tok/step':>8} "
             f"{'TTFT p50/p90 ms':>17} {'ITL p50/p90 ms':>16} {'req':>5} {'err':>4}")
     lines.append(head)
     for lv in results["levels"]:
         d, b, s = lv["draft"], lv.get("baseline"), lv.get("spec") or {}
         lines.append(f"{lv['concurrency']:>5} {d['tokens_per_s']:>12.1f} {_f(b and b['tokens_per_s'], '.1f'):>11} "
                      f"{_f(lv.get('speedup')):>8} {_f(s.get('acceptance_length')):>8} "
+                     f"{_f(s.get('tokens_per_step')):>8} "
                      f"{_f(d['ttft_ms']['p50'], '.0f') + '/' + _f(d['ttft_ms']['p90'], '.0f'):>17} "
                      f"{_f(d['itl_ms']['p50'], '.1f') + '/' + _f(d['itl_ms']['p90'], '.1f'):>16} "
                      f"{d['requests']:>5} {d['errors']:>4}")
