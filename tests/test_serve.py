@@ -113,6 +113,8 @@ def test_vllm_metrics_recorded_from_a_real_server():
     sparse = SpecCounters(c.drafts + 10, c.draft_tokens + 30, c.accepted + 20, c.per_position, c.tokens + 40,
                           c.steps + 20)
     assert (sparse - c).summary()["acceptance_length"] == 3.0 and (sparse - c).summary()["tokens_per_step"] == 2.0
+    older = "\n".join(line for line in text.splitlines() if "inter_token_latency" not in line)
+    assert parse_vllm_metrics(older).summary()["tokens_per_step"] is None  # half the steps would be no figure
 
 
 def test_a_server_without_a_draft_has_no_spec_metrics():

@@ -96,7 +96,9 @@ def parse_vllm_metrics(text: str) -> SpecCounters | None:
     return SpecCounters(totals[_VLLM_PREFIX + "num_drafts_total"],
                         totals.get(_VLLM_PREFIX + "num_draft_tokens_total", 0.0),
                         totals.get(_VLLM_PREFIX + "num_accepted_tokens_total", 0.0), per_pos,
-                        totals.get(_TOKENS, 0.0), sum(totals.get(n, 0.0) for n in _STEPS))
+                        totals.get(_TOKENS, 0.0),
+                        # both counts or none (a vLLM that names them otherwise reports no steps, not half of them)
+                        sum(totals[n] for n in _STEPS) if all(n in totals for n in _STEPS) else 0.0)
 
 
 def parse_sglang_server_info(info: dict[str, Any]) -> float | None:
