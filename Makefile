@@ -336,10 +336,12 @@ eval: $(LOCAL_DEPS) ## stage 03: offline acceptance: DRAFT=drafts/NAME MODEL PRO
 
 # ---- stage 04 serve (eyas-serve) -------------------------------------------------------------------
 # make serve MODEL=... [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] [TP=1] [ENGINE_ARGS='--max-model-len 8192']
+# make serve MODEL=... PROMPT_LOOKUP=1: vLLM's n-gram prompt lookup, no draft (the reference a draft must beat)
 # make bench-serve SERVER=http://host:8000 BASELINE=http://host:8001 PROMPTS=heldout.jsonl NAME=... DRAFT=drafts/NAME
 ENGINE            ?= vllm
 PORT              ?= 8000
 TP                ?= 1
+PROMPT_LOOKUP     ?=
 SERVE_ARGS        ?=
 ENGINE_ARGS       ?=
 BASELINE          ?=
@@ -348,9 +350,10 @@ BENCH_ARGS        ?=
 serve: MOUNT_PATHS = $(MODEL)
 bench-serve: MOUNT_PATHS = $(PROMPTS)
 SERVE_RUN = launch --engine $(ENGINE) --model $(call path_arg,$(MODEL)) $(if $(DRAFT),--draft $(DRAFT)) \
-  $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
+  $(if $(filter 1 yes true,$(PROMPT_LOOKUP)),--prompt-lookup) $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) \
+  --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
 serve: $(LOCAL_DEPS) ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [TRUST_REMOTE_CODE=1
-##   SPEC_TOKENS TP SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
+##   SPEC_TOKENS TP PROMPT_LOOKUP=1 SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
 	$(call require,MODEL,make serve MODEL=/path/to/target [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] \
 	  [TP=1] [ENGINE_ARGS='--max-model-len 8192'])
 	$(call run_stage,serve,$(VENV)/bin/eyas-serve,,$(SERVE_RUN))

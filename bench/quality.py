@@ -53,6 +53,7 @@ from eyas_testing.fixture_smollm2 import build_smollm2_fixture
 from eyas_common.realprompts import write_real_prompts
 from eyas_testing.servers import running_vllm
 from eyas_serve.bench import run as bench
+from eyas_serve.engines import prompt_lookup_config
 
 ROOT = Path(__file__).resolve().parents[1]
 SPEC_TOKENS, HELDOUT = 3, 40
@@ -74,10 +75,6 @@ RECIPES = ("defaults", "hand")
 # What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
 NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
 QUIET = dict(log_every=100, ckpt_every=100)  # a checkpoint every 100 steps: a real target trains for hours on a CPU
-# vLLM's prompt lookup: draft tokens copied from the request's own earlier tokens (an n-gram of 2 to 4 found
-# again proposes what followed it), no model to train: the reference a trained draft has to beat.
-PROMPT_LOOKUP = {"method": "ngram", "num_speculative_tokens": SPEC_TOKENS, "prompt_lookup_min": 2,
-                 "prompt_lookup_max": 4}
 # A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 2 min on 2 CPU cores (the
 # default 2 GiB holds its whole 2,000-sample cell: one shard, lost whole to a kill)
 SHARD_SAMPLES = 250
@@ -233,14 +230,15 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
 
 
 def prompt_lookup(root: Path, target: str, model: Path, heldout: Path, baseline: Baseline) -> str:
-    """vLLM's prompt lookup (PROMPT_LOOKUP) on the held-out prompts at SPEEDUP_AT in flight against the target
-    alone, as one line. Its acceptance length counts only the steps where an n-gram matched and it drafted;
+    """vLLM's prompt lookup (`eyas-serve launch --prompt-lookup`'s config) on the held-out prompts at SPEEDUP_AT
+    in flight against the target alone, as one line. Its acceptance length counts only the steps where an n-gram matched and it drafted;
     tokens per target step counts every step, as a draft that proposes on every step (EAGLE-3) counts."""
     name = f"{target}_prompt_lookup_at_{'-'.join(map(str, SPEEDUP_AT))}"
+    lookup = prompt_lookup_config(SPEC_TOKENS)  # what `eyas-serve launch --prompt-lookup` serves
     if not _complete(root, name, "bench"):
         say(f"{target}: vLLM's prompt lookup on {HELDOUT} held-out prompts, "
             f"{' / '.join(map(str, SPEEDUP_AT))} in flight")
-        spec_args = ["--speculative-config", json.dumps(PROMPT_LOOKUP)]
+        spec_args = ["--speculative-config", json.dumps(lookup)]
         with running_vllm(model, log_path=root / "logs" / f"vllm_{name}.log", timeout_s=900,
                           extra_args=[*TARGETS[target][2], *spec_args]) as server:
             bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=name, concurrency=SPEEDUP_AT,
@@ -249,8 +247,8 @@ def prompt_lookup(root: Path, target: str, model: Path, heldout: Path, baseline:
     spec = results["spec"]
     steps = sum(lv["draft"]["output_tokens"] for lv in results["levels"]) / spec["tokens_per_step"]
     speedups = " ".join(f"{lv['speedup']:.2f}x" for lv in results["levels"])
-    return (f"{target}: prompt lookup (vLLM n-gram {PROMPT_LOOKUP['prompt_lookup_min']}-"
-            f"{PROMPT_LOOKUP['prompt_lookup_max']}, K {SPEC_TOKENS}, no draft model): "
+    return (f"{target}: prompt lookup (vLLM n-gram {lookup['prompt_lookup_min']}-"
+            f"{lookup['prompt_lookup_max']}, K {SPEC_TOKENS}, no draft model): "
             f"{_f(spec['tokens_per_step'])} tokens per target step; acceptance length "
             f"{_f(spec['acceptance_length'])} over the {spec['drafts'] / steps:.0%} of steps it drafted on; "
             f"speedup {speedups} at {' / '.join(map(str, SPEEDUP_AT))} in flight")

@@ -68,6 +68,12 @@ def test_follow_knob(stage, knobs, follow, flags):
     assert shlex.split(line).count("--follow") == flags, line
 
 
+@pytest.mark.parametrize("value, flags", [("1", 1), ("true", 1), ("", 0), ("0", 0)])
+def test_prompt_lookup_knob(value, flags):
+    line = dry_lines("serve", MODEL="/models/K", PROMPT_LOOKUP=value)[-1]
+    assert shlex.split(line).count("--prompt-lookup") == flags, line
+
+
 @pytest.mark.parametrize("stage, knobs, flag", [("extract", {"SYNTH": "synth/s"}, ["--disk-budget", "50G"]),
                                                 ("train", {"HIDDEN": "hidden/s"}, ["--consume"])])
 def test_disk_budget_knob(stage, knobs, flag):

@@ -57,23 +57,29 @@ def test_sglang_command_uses_its_documented_flags():
 
 @pytest.mark.vllm
 def test_vllm_command_parses_with_vllms_own_parser():
-    """vLLM's own argument parser (from .venv-vllm) reads the command eyas builds, to the same values."""
-    cmd = engine_command(cfg(tp=2, spec_tokens=3, disable_custom_all_reduce=True,
-                             engine_args=("--max-model-len", "1024")), Path("/data/drafts/d"))
-    assert cmd[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
+    """vLLM's own argument parser (from .venv-vllm) reads the commands eyas builds, to the same values: a
+    draft's, and prompt lookup's."""
+    draft = engine_command(cfg(tp=2, spec_tokens=3, disable_custom_all_reduce=True,
+                               engine_args=("--max-model-len", "1024")), Path("/data/drafts/d"))
+    lookup = engine_command(cfg(prompt_lookup=True), None)
+    assert draft[1:3] == lookup[1:3] == ["-m", "vllm.entrypoints.openai.api_server"]
     probe = ("import json, sys\n"
              "from vllm.utils.argparse_utils import FlexibleArgumentParser\n"
              "from vllm.entrypoints.launchers.cli_args import make_arg_parser\n"
-             "a = make_arg_parser(FlexibleArgumentParser()).parse_args(sys.argv[1:])\n"
-             "print(json.dumps({k: getattr(a, k) for k in ('model', 'host', 'port', 'tensor_parallel_size',"
+             "for argv in json.loads(sys.argv[1]):\n"
+             "    a = make_arg_parser(FlexibleArgumentParser()).parse_args(argv)\n"
+             "    print(json.dumps({k: getattr(a, k) for k in ('model', 'host', 'port', 'tensor_parallel_size',"
              " 'disable_custom_all_reduce', 'speculative_config', 'max_model_len')}, default=str))\n")
-    out = subprocess.run([str(default_vllm_python()), "-c", probe, *cmd[3:]], capture_output=True, text=True,
-                         timeout=300, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
+    out = subprocess.run([str(default_vllm_python()), "-c", probe, json.dumps([draft[3:], lookup[3:]])],
+                         capture_output=True, text=True, timeout=300, env={**os.environ, "VLLM_NO_USAGE_STATS": "1"})
     assert out.returncode == 0, out.stderr[-2000:]
-    parsed = json.loads(out.stdout.strip().splitlines()[-1])
-    assert parsed == {"model": "/models/target", "host": "127.0.0.1", "port": 8000, "tensor_parallel_size": 2,
-                      "disable_custom_all_reduce": True, "max_model_len": 1024,
-                      "speculative_config": {"method": "eagle3", "model": "/data/drafts/d", "num_speculative_tokens": 3}}
+    parsed_draft, parsed_lookup = (json.loads(line) for line in out.stdout.strip().splitlines()[-2:])
+    assert parsed_draft == {"model": "/models/target", "host": "127.0.0.1", "port": 8000, "tensor_parallel_size": 2,
+                            "disable_custom_all_reduce": True, "max_model_len": 1024,
+                            "speculative_config": {"method": "eagle3", "model": "/data/drafts/d",
+                                                   "num_speculative_tokens": 3}}
+    assert parsed_lookup["speculative_config"] == {"method": "ngram", "num_speculative_tokens": 3,
+                                                   "prompt_lookup_min": 2, "prompt_lookup_max": 4}
 
 
 def _sample(text: str, name: str, position: int | None = None) -> float:
@@ -250,6 +256,18 @@ def test_a_draft_for_another_target_is_refused_before_anything_starts(change, tm
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("NCCL_P2P_DISABLE=1 ") and '"method": "eagle3"' in r.stdout
     assert r.stdout.strip().endswith("--max-model-len 1024")
+
+
+def test_prompt_lookup_is_vllms_and_replaces_a_draft(tmp_path):
+    model = tmp_path / "target"
+    model.mkdir()
+    r = serve_cli(tmp_path, "launch", "--model", str(model), "--prompt-lookup", "--spec-tokens", "5", "--print")
+    assert r.returncode == 0, r.stderr
+    assert '"method": "ngram", "num_speculative_tokens": 5' in r.stdout and "--draft" not in r.stdout
+    for args, says in ((["--draft", "drafts/d"], "--prompt-lookup and --draft drafts/d both speculate"),
+                       (["--engine", "sglang"], "--prompt-lookup is vLLM's n-gram prompt lookup; SGLang's")):
+        r = serve_cli(tmp_path, "launch", "--model", str(model), "--prompt-lookup", "--print", *args)
+        assert r.returncode == 2 and says in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_a_port_in_use_is_refused(tmp_path, fixture_target):

@@ -27,7 +27,11 @@ def main() -> None:
 @click.option("--draft", default=None, help="Draft dataset drafts/NAME.  [default: none: serve the baseline]")
 @click.option("--spec-tokens", type=click.IntRange(1, 16), default=None, show_default=False,
               help="Draft tokens proposed per verification step.  [default: the draft's own: EAGLE-3 3, DFlash "
-                   "its block size - 1]")
+                   "its block size - 1; prompt lookup 3]")
+@click.option("--prompt-lookup", is_flag=True,
+              help="Serve vLLM's n-gram prompt lookup instead of a draft (tokens copied from the request's own "
+                   "earlier tokens, 2- to 4-grams, K 3 unless --spec-tokens; nothing trained): the reference a "
+                   "trained draft has to beat on `eyas-serve bench`'s tokens per target step. vLLM only.")
 @click.option("--tp", type=click.IntRange(1, 1024), default=L["tp"].default, help="Tensor-parallel GPUs.")
 @click.option("--host", default=L["host"].default, help="Address to listen on (0.0.0.0 for other hosts).")
 @click.option("--port", type=click.IntRange(1, 65535), default=L["port"].default, help="HTTP port.")
@@ -50,6 +54,7 @@ def launch(print_only: bool, engine_args: tuple[str, ...], **kw) -> None:
 
     \b
     eyas-serve launch --model /models/T --draft drafts/D -- --max-model-len 8192
+    eyas-serve launch --model /models/T --prompt-lookup --port 8002   (vLLM's n-gram reference, no draft)
     A draft made for another target (tokenizer or hidden size) is refused before anything starts.
     """
     from eyas_serve.launch import launch as run_launch, print_command

@@ -16,6 +16,8 @@ class LaunchConfig:
     spec_tokens: int | None = None   # draft tokens proposed per verification (vLLM num_speculative_tokens,
                                      # SGLang num_steps; SGLang verifies spec_tokens + 1 tokens); None = the
                                      # draft's own: EAGLE-3 3, DFlash its block size - 1 (the block it learned)
+    prompt_lookup: bool = False      # vLLM's n-gram prompt lookup instead of a draft (nothing trained): the
+                                     # reference a draft has to beat, at spec_tokens (None = 3)
     tp: int = 1                      # tensor-parallel GPUs
     host: str = "127.0.0.1"
     port: int = 8000

