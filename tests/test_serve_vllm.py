@@ -93,6 +93,31 @@ def spec_counts(url: str) -> tuple[float, float, list[float]]:
         [total("num_accepted_tokens_per_pos_total", i) for i in range(3)]
 
 
+def test_prompt_lookup_drafts_on_some_steps_and_tokens_per_step_counts_them_all(vllm_server, fixture_target,
+                                                                                 tmp_path):
+    """`eyas-serve launch --prompt-lookup` serves vLLM's n-gram speculation (no draft model). It drafts only
+    where an n-gram of the request recurs, so its acceptance length (over the steps it drafted) reads above
+    its tokens per target step (over every step): the figure that compares it with a trained draft. First in
+    this module, before `served` starts: one engine beside the shared plain server, not two."""
+    s = launch(tmp_path, fixture_target, tmp_path / "lookup.log", "--prompt-lookup", *CPU_ENGINE)
+    try:
+        assert s.proc.poll() is None, f"eyas-serve launch exited: {s.proc.stderr.read()}"
+        prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 16, seed=11)
+        r = bench(tmp_path, "--server", s.url, "--baseline", vllm_server.url, "--prompts", str(prompts), "--name",
+                  "lookup", "--concurrency", "4", "--warmup", "0", timeout=900)
+        assert r.returncode == 0, r.stderr[-3000:]
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        err = s.proc.communicate(timeout=120)[1]
+    assert s.proc.returncode == 0 and "vLLM prompt lookup: 2-4-grams, K 3, no draft model" in err, err[-2000:]
+    assert not marked_pids(s.marker)
+    _, _, results = read_results("bench/lookup", root=tmp_path)
+    spec, level = results["spec"], results["levels"][0]
+    steps = level["draft"]["output_tokens"] / spec["tokens_per_step"]  # 16 prefills, then one step per decode
+    assert 0 < spec["drafts"] < steps - 16 - 1, (spec, steps)  # some decode steps carried no draft
+    assert 1 < spec["tokens_per_step"] < spec["acceptance_length"], spec
+
+
 @pytest.fixture(scope="module")
 def served(trained_draft, fixture_target, tmp_path_factory):
     log = tmp_path_factory.mktemp("serve") / "draft.log"
@@ -152,30 +177,6 @@ def test_a_server_without_a_draft_is_reported_as_such(vllm_server, tmp_path):
     _, _, results = read_results("bench/plain", root=tmp_path)
     assert results["spec"] is None and results["levels"][0]["spec"] is None
     assert "acceptance length: not reported" in r.stdout
-
-
-def test_prompt_lookup_drafts_on_some_steps_and_tokens_per_step_counts_them_all(vllm_server, fixture_target,
-                                                                                 tmp_path):
-    """`eyas-serve launch --prompt-lookup` serves vLLM's n-gram speculation (no draft model). It drafts only
-    where an n-gram of the request recurs, so its acceptance length (over the steps it drafted) reads above
-    its tokens per target step (over every step): the figure that compares it with a trained draft."""
-    s = launch(tmp_path, fixture_target, tmp_path / "lookup.log", "--prompt-lookup", *CPU_ENGINE)
-    try:
-        assert s.proc.poll() is None, f"eyas-serve launch exited: {s.proc.stderr.read()}"
-        prompts = write_prompts_jsonl(tmp_path / "p.jsonl", 16, seed=11)
-        r = bench(tmp_path, "--server", s.url, "--baseline", vllm_server.url, "--prompts", str(prompts), "--name",
-                  "lookup", "--concurrency", "4", "--warmup", "0", timeout=900)
-        assert r.returncode == 0, r.stderr[-3000:]
-    finally:
-        s.proc.send_signal(signal.SIGTERM)
-        err = s.proc.communicate(timeout=120)[1]
-    assert s.proc.returncode == 0 and "vLLM prompt lookup: 2-4-grams, K 3, no draft model" in err, err[-2000:]
-    assert not marked_pids(s.marker)
-    _, _, results = read_results("bench/lookup", root=tmp_path)
-    spec, level = results["spec"], results["levels"][0]
-    steps = level["draft"]["output_tokens"] / spec["tokens_per_step"]  # 16 prefills, then one step per decode
-    assert 0 < spec["drafts"] < steps - 16 - 1, (spec, steps)  # some decode steps carried no draft
-    assert 1 < spec["tokens_per_step"] < spec["acceptance_length"], spec
 
 
 def test_an_engine_that_never_gets_healthy_is_stopped(fixture_target, tmp_path):
