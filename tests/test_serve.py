@@ -181,6 +181,9 @@ def test_bench_dataset_round_trip_and_refusals(tmp_path, fixture_target):
     assert back == results and {f["name"] for f in manifest["files"]} == {RESULTS, PLOT}
     text = table(back, manifest)
     assert "acceptance length 3.40 (240 accepted / 100 drafts)" in text and "drafts/d <- hidden/h <- synth/s" in text
+    # a server that speculates with no eyas draft named (prompt lookup), and one that does not speculate
+    assert "speculates without an eyas draft: --prompt-lookup" in table(back, {**manifest, "inputs": []})
+    assert "lineage: (no --draft given) <- target" in table({**back, "spec": None}, {**manifest, "inputs": []})
     with pytest.raises(DatasetError, match="already complete"):
         start("b", draft="drafts/d", params={}, root=tmp_path)
     bad = {**results, "levels": [{**_level(1, 1.0), "draft": {"tokens_per_s": 1.0}}]}

@@ -33,6 +33,8 @@ def table(results: dict[str, Any], manifest: dict[str, Any]) -> str:
                      f"{_f(d['itl_ms']['p50'], '.1f') + '/' + _f(d['itl_ms']['p90'], '.1f'):>16} "
                      f"{d['requests']:>5} {d['errors']:>4}")
     lines.append("")
-    lines.append("lineage: " + (" <- ".join(i["ref"] for i in manifest.get("inputs", [])) or "(no --draft given)")
+    undrafted = ("(no --draft given; the server speculates without an eyas draft: --prompt-lookup, or a draft from "
+                 "elsewhere)" if spec else "(no --draft given)")
+    lines.append("lineage: " + (" <- ".join(i["ref"] for i in manifest.get("inputs", [])) or undrafted)
                  + f" <- target {(manifest.get('target') or {}).get('model', '?')}")
     return "\n".join(lines)
