@@ -230,17 +230,17 @@ def measure(root: Path, target: str, model: Path, n: int, recipe: str, heldout: 
 
 
 def prompt_lookup(root: Path, target: str, model: Path, heldout: Path, baseline: Baseline) -> str:
-    """vLLM's prompt lookup (`eyas-serve launch --prompt-lookup`'s config) on the held-out prompts at SPEEDUP_AT
-    in flight against the target alone, as one line. Its acceptance length counts only the steps where an n-gram matched and it drafted;
-    tokens per target step counts every step, as a draft that proposes on every step (EAGLE-3) counts."""
+    """vLLM's prompt lookup, served as `eyas-serve launch --prompt-lookup` serves it, on the held-out prompts at
+    SPEEDUP_AT in flight against the target alone, as one line. Its acceptance length counts only the steps where
+    an n-gram matched and it drafted; tokens per target step counts every step, as a draft that proposes on
+    every step (EAGLE-3) counts."""
     name = f"{target}_prompt_lookup_at_{'-'.join(map(str, SPEEDUP_AT))}"
-    lookup = prompt_lookup_config(SPEC_TOKENS)  # what `eyas-serve launch --prompt-lookup` serves
+    lookup = prompt_lookup_config(SPEC_TOKENS)  # for the line printed
     if not _complete(root, name, "bench"):
         say(f"{target}: vLLM's prompt lookup on {HELDOUT} held-out prompts, "
             f"{' / '.join(map(str, SPEEDUP_AT))} in flight")
-        spec_args = ["--speculative-config", json.dumps(lookup)]
-        with running_vllm(model, log_path=root / "logs" / f"vllm_{name}.log", timeout_s=900,
-                          extra_args=[*TARGETS[target][2], *spec_args]) as server:
+        with running_vllm(model, log_path=root / "logs" / f"vllm_{name}.log", timeout_s=900, prompt_lookup=True,
+                          spec_tokens=SPEC_TOKENS, extra_args=TARGETS[target][2]) as server:
             bench(server=server.url, baseline=baseline.url(), prompts=heldout, name=name, concurrency=SPEEDUP_AT,
                   data_root=root)
     _, _, results = read_results(f"bench/{name}", root)

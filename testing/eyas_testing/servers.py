@@ -39,12 +39,13 @@ def start_vllm(
     port: int | None = None,
     draft: Path | None = None,
     spec_tokens: int = 3,
+    prompt_lookup: bool = False,
     extra_args: Sequence[str] = (),
     env: dict[str, str] | None = None,
     python: Path | None = None,
 ) -> VllmServer:
     """Launch vLLM on 127.0.0.1 in its own process group: the users' command (eyas_serve.engines), with the
-    EAGLE-3 draft folder `draft` when given.
+    EAGLE-3 draft folder `draft` when given, or vLLM's prompt lookup (`prompt_lookup`).
 
     Defaults suit the CPU build: fp32, a 1024-token context (CPU_ARGS) and 1 GiB of KV cache. `extra_args`
     come last, so a repeated flag there overrides a default.
@@ -52,8 +53,8 @@ def start_vllm(
     python = Path(python) if python else default_vllm_python()
     if not python.exists():
         raise FileNotFoundError(f"no vLLM interpreter at {python}: run `make vllm` (or set EYAS_VLLM_PYTHON)")
-    cfg = LaunchConfig(engine="vllm", model=str(model), spec_tokens=spec_tokens, port=port or free_port(),
-                       python=str(python), engine_args=(*CPU_ARGS, *extra_args))
+    cfg = LaunchConfig(engine="vllm", model=str(model), spec_tokens=spec_tokens, prompt_lookup=prompt_lookup,
+                       port=port or free_port(), python=str(python), engine_args=(*CPU_ARGS, *extra_args))
     cmd = engine_command(cfg, Path(draft) if draft else None)
     return start_server(cmd, port=cfg.port, log_path=log_path, env={**engine_env(cfg), **(env or {})},
                         host=cfg.host)

@@ -23,7 +23,7 @@ from eyas_common.checkpoint import CONFIG, read_text_config
 from eyas_common.contract import Dataset, DatasetError, check_target, open_input
 from eyas_common.drafts import read_config
 from eyas_serve.config import LaunchConfig
-from eyas_serve.engines import PROMPT_LOOKUP_NGRAM, PROMPT_LOOKUP_SPEC_TOKENS, engine_command, engine_env
+from eyas_serve.engines import engine_command, engine_env, prompt_lookup_config
 from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
 
 
@@ -71,8 +71,9 @@ def check_prompt_lookup(cfg: LaunchConfig) -> None:
 def speculation(cfg: LaunchConfig) -> str:
     """What the server speculates with, for the ready line."""
     if cfg.prompt_lookup:
-        lo, hi = PROMPT_LOOKUP_NGRAM
-        return f"vLLM prompt lookup: {lo}-{hi}-grams, K {cfg.spec_tokens or PROMPT_LOOKUP_SPEC_TOKENS}, no draft model"
+        c = prompt_lookup_config(cfg.spec_tokens)
+        return (f"vLLM prompt lookup: {c['prompt_lookup_min']}-{c['prompt_lookup_max']}-grams, "
+                f"K {c['num_speculative_tokens']}, no draft model")
     return f"with {cfg.draft}" if cfg.draft else "no draft: baseline"
 
 
