@@ -33,6 +33,7 @@ from eyas_train import parallel
 from eyas_train.config import MAY_CHANGE, TrainConfig
 from eyas_train.data import global_batches, per_sample, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
+from eyas_train.hostmem import HeapTrimmer
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
@@ -475,6 +476,7 @@ def _train(s: RunState) -> None:
     window = torch.zeros(slots, 3, device=d.device)  # per step (DFlash: per slot): loss sum, hits, counted rows
     tokens, t_window = 0, time.monotonic()
     log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
+    heap = HeapTrimmer()
     # closed before an error propagates, so that the error's line is not appended to the bar's
     with tqdm(total=total, initial=s.start, disable=not d.main, desc="train", unit="step", dynamic_ncols=True) as bar:
         s.module.train()
@@ -489,6 +491,7 @@ def _train(s: RunState) -> None:
             s.sched.step()
             s.opt.zero_grad(set_to_none=True)
             window += stats
+            heap.after_step()
             bar.update(1)
             s.step += 1
             if s.step % cfg.log_every == 0 or s.step == total:
@@ -509,6 +512,8 @@ def _train(s: RunState) -> None:
     s.train_s += time.monotonic() - t_loop
     if log is not None:
         log.close()
+    if d.main and (line := heap.summary()):
+        say(line)
 
 
 def _write_log(s: RunState, log: JsonlAppender | None, record: dict[str, Any], bar: tqdm) -> None:
