@@ -57,7 +57,7 @@ class DatasetError(Exception):
 
 
 def data_root() -> Path:
-    """The data root: $EYAS_DATA, else ./data (images set EYAS_DATA=/data/eagle3)."""
+    """The data root: $EYAS_DATA, else ./data (the images set EYAS_DATA=/data, where make mounts the host's DATA)."""
     return Path(os.environ.get("EYAS_DATA", "data")).absolute()
 
 
