@@ -5,6 +5,9 @@ from __future__ import annotations
 import errno
 import json
 import os
+import re
+import shutil
+from types import SimpleNamespace
 
 import pytest
 from click.testing import CliRunner
@@ -255,3 +258,102 @@ def test_an_interrupt_while_the_lock_record_is_written_releases_it(tmp_path, mon
     with WriterLock(ds, stage="t") as lock:
         assert lock.took_over is None
     assert "taking over" not in capsys.readouterr().err
+
+
+def test_a_malformed_files_list_is_one_line_for_every_reader(tmp_path, monkeypatch):
+    """`files` not a list, or an entry without sha256: every reader refused it with a KeyError/TypeError traceback."""
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    for name, files, bad in (("text", "x", r"`files` is a JSON string, expected an array"),
+                             ("nohash", None, r"`files\[0\]\.sha256` is missing, expected a string"),
+                             ("boolsize", True, r"`files\[0\]\.bytes` is a JSON boolean, expected a number"),
+                             ("scalar", [3], r"`files\[0\]` is a JSON number, expected an object")):
+        ds = make_dataset(tmp_path, name)
+        m = json.loads(ds.manifest_path.read_text())
+        if files is None:
+            del m["files"][0]["sha256"]
+        elif files is True:
+            m["files"][0]["bytes"] = True
+        else:
+            m["files"] = files
+        ds.manifest_path.write_text(json.dumps(m))
+        fix = rf"manifest\.json: {bad}.*; remake it: `eyas-data rm synth/{name} --yes`, then rerun eyas-synth run"
+        with pytest.raises(DatasetError, match=fix):
+            contract.open_input(f"synth/{name}", "synth", root=tmp_path)
+        r = CliRunner().invoke(data_cli, ["verify", f"synth/{name}"])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit) and r.output.count("\n") == 1, r.output
+        assert re.search(rf"^Error: synth/{name}: .*{fix}", r.output), r.output
+        # what is there can still be seen
+        assert json.loads(CliRunner().invoke(data_cli, ["show", f"synth/{name}"]).output)["status"] == "complete"
+    listing = CliRunner().invoke(data_cli, ["list"]).output
+    assert listing.count("complete") == 4 and "unreadable" not in listing, listing
+
+
+def test_open_input_refuses_a_status_or_file_list_no_producer_writes(tmp_path):
+    """status missing or "done", or a complete manifest without `files`: refused, not taken as complete or partial."""
+    for name, edit, what in (("done", {"status": "done"}, "has status 'done', which no eyas stage writes"),
+                             ("nostatus", {"status": None}, "has no status, which no eyas stage writes"),
+                             ("nofiles", {"files": None}, "is complete but has no `files`")):
+        ds = make_dataset(tmp_path, name)
+        m = {k: v for k, v in (ds.read_manifest() | edit).items() if v is not None}
+        ds.manifest_path.write_text(json.dumps(m))
+        for allow_partial in (False, True):
+            with pytest.raises(DatasetError, match=rf"synth/{name}: .*manifest\.json {re.escape(what)}.*`eyas-data "
+                                                   rf"rm synth/{name} --yes`, then rerun eyas-synth run"):
+                contract.open_input(f"synth/{name}", "synth", root=tmp_path, allow_partial=allow_partial)
+
+
+def test_verify_is_one_line_naming_the_problem_and_the_fix(tmp_path, monkeypatch):
+    """A size mismatch printed without `Error:` or a fix; a schema problem with the dataset named twice."""
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    ds = make_dataset(tmp_path, "edited")
+    with open(ds.path / "samples.jsonl", "ab") as f:
+        f.write(b" ")
+    r = CliRunner().invoke(data_cli, ["verify", "synth/edited"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1, r.output
+    assert r.output.startswith("Error: synth/edited: samples.jsonl: 21 bytes, manifest says 20: its files changed "
+                               "after it was finished; restore them, or remake it: `eyas-data rm synth/edited --yes`, "
+                               "then rerun eyas-synth run"), r.output
+    with pytest.raises(DatasetError) as raised:
+        contract.check_intact(ds, ds.read_manifest())
+    assert r.output == f"Error: {raised.value.message}\n"  # the line every reader of a finished dataset gives
+    make_dataset(tmp_path, "newschema", schema="eyas.synth/2")
+    r = CliRunner().invoke(data_cli, ["verify", "synth/newschema"])
+    assert r.exit_code == 1 and r.output.count("\n") == 1 and r.output.count("synth/newschema") == 1, r.output
+    assert r.output.startswith("Error: synth/newschema: schema 'eyas.synth/2', but this eyas reads eyas.synth/1")
+    assert contract.verify(Dataset.parse("synth/newschema", root=tmp_path))[0].startswith("schema 'eyas.synth/2'")
+
+
+def test_sizes_are_shown_in_a_unit_that_fits(tmp_path, monkeypatch):
+    assert [contract.human_bytes(n) for n in (0, 999, 12_345, 3e6, 4.5e9)] == \
+        ["0 B", "999 B", "12.35 KB", "3.00 MB", "4.50 GB"]
+
+    def full(*a, **k):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: SimpleNamespace(free=12_000))  # 0.00 GB, as it read
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(DatasetError, match=r"disk full while writing .*f\.json \(12\.00 KB free on its volume\)"):
+        contract.write_json_atomic(tmp_path / "f.json", {"x": 1})
+
+
+def test_a_writer_that_opened_the_lock_just_before_rm_deleted_it_locks_the_new_one(tmp_path, monkeypatch):
+    """rm deletes a dataset's lock file while holding it; a writer between its open and its flock then holds an
+    unlinked file, and a third writer could create and hold a new one beside it: it must reopen instead."""
+    import fcntl
+
+    from eyas_common.lock import WriterLock, holder
+
+    ds = Dataset.parse("d", "synth", tmp_path)
+    real_flock, calls = fcntl.flock, []
+
+    def rm_in_between(fd, op):
+        if not calls:
+            contract.lock_file(ds).unlink()  # what held_for_removal does, after the writer's open
+        calls.append(op)
+        return real_flock(fd, op)
+
+    (tmp_path / "synth").mkdir()
+    monkeypatch.setattr(fcntl, "flock", rm_in_between)
+    with WriterLock(ds, stage="t"):
+        monkeypatch.undo()
+        assert contract.lock_file(ds).exists() and holder(ds)["pid"] == os.getpid()

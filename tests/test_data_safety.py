@@ -8,6 +8,7 @@ import json
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,7 +20,7 @@ from click.testing import CliRunner
 from eyas_common.cli import main as data_cli
 from eyas_common.contract import Dataset, DatasetError, JsonlAppender, iter_jsonl, repair_jsonl, verify
 from eyas_common.hidden import open_hidden, shard_name
-from eyas_common.lock import WriterLock
+from eyas_common.lock import WriterLock, any_holder, holder, lock_paths
 from eyas_common.samples import FAILURES, SAMPLES
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.stub import start_stub
@@ -389,6 +390,43 @@ def test_lock_refuses_in_process_too(tmp_path):
         # another part is another writer: allowed side by side
         with WriterLock(ds, stage="02_extract", part="worker-1-of-2"):
             pass
+
+
+def hold_lock(root: Path, ref: str, part: str = "") -> subprocess.Popen:
+    """A live writer: another process that takes the WriterLock of `ref` (or of one part) and sleeps holding it."""
+    code = ("import time\nfrom pathlib import Path\nfrom eyas_common.contract import Dataset\n"
+            "from eyas_common.lock import WriterLock\n"
+            f"WriterLock(Dataset.parse({ref!r}, root=Path({str(root)!r})), stage='02_extract', part={part!r})"
+            ".acquire()\n"
+            "print('holding', flush=True)\ntime.sleep(120)\n")
+    proc = subprocess.Popen([PY, "-c", code], env=env(root), stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "holding\n", proc.wait()
+    return proc
+
+
+def test_rm_refuses_a_dataset_a_live_writer_holds(tmp_path, monkeypatch):
+    """rm deleted a dataset under a live writer, exited 0 and unlinked its lock (so a second writer could start)."""
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    ds = Dataset.parse("hidden/two", root=tmp_path)
+    ds.path.mkdir(parents=True)
+    (ds.path / "shard-00000.safetensors").write_bytes(b"x")
+    for part in ("", "worker-0-of-2"):  # the dataset's own lock, or one of extract's workers
+        proc = hold_lock(tmp_path, ds.ref, part)
+        try:
+            for args in (["--yes"], ["--dry-run"], []):  # without --yes: refused before asking
+                r = CliRunner().invoke(data_cli, ["rm", ds.ref, *args], input="y\n")
+                assert r.exit_code == 1 and re.fullmatch(
+                    rf"Error: hidden/two is being written by 02_extract pid {proc.pid} on host "
+                    rf"{re.escape(socket.gethostname())} since \S+; stop it first, then rerun "
+                    rf"`eyas-data rm hidden/two`\n", r.output), r.output
+            assert (ds.path / "shard-00000.safetensors").exists() and holder(ds, part)["pid"] == proc.pid
+        finally:
+            proc.kill()
+            proc.wait()
+    # a killed writer's lock (its record still there) does not block, and goes with the dataset
+    assert lock_paths(ds) and any_holder(ds) is None
+    r = CliRunner().invoke(data_cli, ["rm", ds.ref, "--yes"])
+    assert r.exit_code == 0 and not ds.path.exists() and lock_paths(ds) == [], r.output
 
 
 # ------------------------------------------------------------------------------------------------

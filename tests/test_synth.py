@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import time
@@ -66,7 +67,10 @@ def test_prompt_files(tmp_path):
     for line, err in (('{"messages": [{"role": "user"}]}', "string `role` and `content`"),
                       ('{"conversations": [{"from": "robot", "value": "x"}]}', "needs `from`"),
                       ('{"text": "x"}', "expected an object with `messages`.*found keys text.*\\.txt"),
-                      ('["x"]', "expected an object .*found list"),
+                      ('["x"]', "expected an object .*found a JSON array"),
+                      ('{"messages": "hi"}', "`messages` must be an array of {role, content} objects \\(OpenAI\\), "
+                                             "found a JSON string"),
+                      ('{"prompt": 3}', "`prompt` must be a string, found a JSON number"),
                       ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
                       ('{"messages": [', "malformed JSON")):
         p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")
@@ -135,6 +139,75 @@ def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkey
     assert "sample 1: " in r.output and "joined without the thinking wrappers" in r.output
     assert "sample 0" not in r.output and "sample 2" not in r.output
     assert "3 samples, 1 unsound" in r.output
+
+
+def test_validate_refuses_what_the_next_stage_refuses_in_its_words(tok, fixture_target, tmp_path, monkeypatch):
+    """Edited after it was finished, a status no stage writes, no `files`, partial: validate said "0 unsound"
+    (exit 0) for datasets eyas-extract refuses."""
+    from eyas_common.contract import check_intact, open_input
+
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    samples = [sound_sample(tok, i, f"What is {i}+1?", f"{i}+1={i + 1}.", str(i + 1)) for i in range(3)]
+
+    def consumer_refusal(name: str) -> str:  # the contract checks eyas-extract runs on its input
+        with pytest.raises(DatasetError) as refused:
+            check_intact(*open_input(name, "synth", root=tmp_path))
+        return refused.value.message
+
+    def manifest_edit(name: str, **change) -> None:
+        path = tmp_path / "synth" / name / "manifest.json"
+        m = json.loads(path.read_text()) | change
+        path.write_text(json.dumps({k: v for k, v in m.items() if v is not None}))
+
+    edits = {"edited": None, "nostatus": {"status": None}, "done": {"status": "done"}, "nofiles": {"files": None},
+             "partial": {"status": "partial"}}
+    for name, change in edits.items():
+        ds = write_synth(tmp_path, name, samples, tok, fixture_target)
+        if change is None:
+            with open(ds.path / "samples.jsonl", "ab") as f:
+                f.write(b" ")
+        else:
+            manifest_edit(name, **change)
+        r = CliRunner().invoke(synth_cli, ["validate", name])
+        assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+        assert r.output == f"Error: {consumer_refusal(f'synth/{name}')}\n", r.output
+        fix = "rerun eyas-synth run (make synth) with the same name" if name == "partial" else \
+            f"`eyas-data rm synth/{name} --yes`, then rerun eyas-synth run"
+        assert fix in r.output, r.output
+    size = (tmp_path / "synth" / "edited" / "samples.jsonl").stat().st_size
+    r = CliRunner().invoke(synth_cli, ["validate", "edited"])
+    assert f"samples.jsonl: {size} bytes, manifest says {size - 1}" in r.output, r.output
+
+
+def test_a_malformed_line_names_what_to_do(tok, fixture_target, tmp_path, monkeypatch):
+    """`samples.jsonl:2: malformed JSON record (...)` said nothing more, in validate and on a rerun of synth."""
+    from eyas_common.contract import finalize
+
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 6, seed=3)
+    ds = Dataset.parse("torn", "synth", tmp_path)
+    path = ds.path / "samples.jsonl"
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        kw = dict(prompts=prompts, name="torn", model=fixture_target, servers=[stub.url], served_model="fixture",
+                  seed=0, data_root=tmp_path, progress=False)
+        synth(n=6, **kw)
+        lines = path.read_bytes().splitlines(keepends=True)
+        path.write_bytes(lines[0] + lines[1][:40] + b"\n" + b"".join(lines[2:]))  # line 2 cut by hand
+        finished = r"samples\.jsonl:2: malformed JSON record .*; synth/torn was edited after it was finished; " \
+                   r"remake it: `eyas-data rm synth/torn --yes`, then rerun eyas-synth run"
+        with pytest.raises(DatasetError, match=finished):
+            synth(n=7, **kw)  # extending a complete dataset
+        finalize(ds, ds.read_manifest(), stats={})  # its manifest agrees with the files: validate reads the line
+        monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+        r = CliRunner().invoke(synth_cli, ["validate", "torn"])
+        assert r.exit_code == 1 and r.output.count("\n") == 1 and re.search(finished, r.output), r.output
+        ds.write_manifest(ds.read_manifest() | {"status": "partial"})
+        with pytest.raises(DatasetError, match=r"samples\.jsonl:2: malformed JSON record .*: this one was written by "
+                                               r"something else\. Delete that line \(its sample is asked for again\) "
+                                               r"and rerun, or remake it: `eyas-data rm synth/torn --yes`"):
+            synth(n=6, **kw)
+        path.write_bytes(lines[0] + b"".join(lines[2:]))  # as the refusal says
+        assert synth(n=6, **kw)["samples"] == 6
+    assert sorted(r["id"] for _, r in iter_jsonl(path)) == list(range(6))
 
 
 # ------------------------------------------------------------------------------------------------

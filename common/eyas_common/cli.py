@@ -11,7 +11,9 @@ from types import ModuleType
 import click
 
 from eyas_common.cli_errors import EyasGroup
-from eyas_common.contract import Dataset, DatasetError, data_root, folder_bytes, list_datasets, remove, verify
+from eyas_common.contract import (Dataset, DatasetError, check_intact, data_root, folder_bytes, human_bytes,
+                                  list_datasets, remove)
+from eyas_common.lock import refuse_if_written
 
 
 @click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"]})
@@ -35,7 +37,7 @@ def list_cmd() -> None:
 @click.argument("ref")
 def show(ref: str) -> None:
     """Print the manifest of REF (KIND/NAME)."""
-    click.echo(json.dumps(Dataset.parse(ref).read_manifest(), indent=2))
+    click.echo(json.dumps(Dataset.parse(ref).read_manifest(check=False), indent=2))  # as it is, to see what is wrong
 
 
 @main.command("verify")
@@ -43,12 +45,9 @@ def show(ref: str) -> None:
 def verify_cmd(ref: str) -> None:
     """Recompute bytes and sha256 of every file of REF against its manifest; exit 1 on any difference."""
     ds = Dataset.parse(ref)
-    problems = verify(ds)
-    for p in problems:
-        click.echo(f"{ds.ref}: {p}", err=True)
-    if problems:
-        raise SystemExit(1)
-    click.echo(f"{ds.ref}: ok ({len(ds.read_manifest().get('files', []))} files)")
+    manifest = ds.read_manifest()
+    check_intact(ds, manifest)  # the check every reader of a finished dataset makes, as one line with the fix
+    click.echo(f"{ds.ref}: ok ({len(manifest['files'])} files)")
 
 
 @main.command()
@@ -64,7 +63,8 @@ def rm(ref: str, yes: bool, dry_run: bool) -> None:
         click.echo(remove(ds, dry_run=True))
         return
     if not yes:
-        what = "the link" if ds.path.is_symlink() else f"({folder_bytes(ds.path) / 1e6:.1f} MB)"
+        refuse_if_written(ds)  # before asking: the answer would not matter
+        what = "the link" if ds.path.is_symlink() else f"({human_bytes(folder_bytes(ds.path))})"
         click.confirm(f"delete {ds.path} {what}?", abort=True)
     click.echo(remove(ds))
 

@@ -99,7 +99,9 @@ class Dataset:
     def exists(self) -> bool:
         return self.manifest_path.is_file()
 
-    def read_manifest(self) -> dict[str, Any]:
+    def read_manifest(self, check: bool = True) -> dict[str, Any]:
+        """The manifest as a dict; with `check`, its `files` field is refused unless well-formed, so that no reader
+        trips over a hand-edited one (`eyas-data show` and `list` read it unchecked, to show what is there)."""
         try:
             manifest = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
@@ -113,6 +115,8 @@ class Dataset:
         if not isinstance(manifest, dict):
             raise DatasetError(f"{self.ref}: {self.manifest_path} holds a JSON {type(manifest).__name__}, not an "
                                f"object; delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}")
+        if check and "files" in manifest and (problem := files_problem(manifest["files"])):
+            raise DatasetError(f"{self.ref}: {self.manifest_path}: {problem}; {remake_fix(self)}")
         return manifest
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
@@ -122,6 +126,23 @@ class Dataset:
 
 def now_iso() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def remake_fix(ds: Dataset) -> str:
+    """The fix for a dataset that cannot be repaired in place, as every such refusal ends."""
+    return f"remake it: `eyas-data rm {ds.ref} --yes`, then rerun {REMAKE[ds.kind]}"
+
+
+def json_type(value: Any) -> str:
+    """The JSON name of a parsed value's type, for messages about a file's content: object, array, string..."""
+    names = {dict: "object", list: "array", str: "string", bool: "boolean", int: "number", float: "number"}
+    return names.get(type(value), "null")
+
+
+def human_bytes(n: float) -> str:
+    """n bytes in the largest unit that keeps it at least 1 (GB, MB, KB, B), so a small size never reads 0.00 GB."""
+    unit, size = next(((u, s) for u, s in (("GB", 1e9), ("MB", 1e6), ("KB", 1e3)) if n >= s), ("B", 1))
+    return f"{n / size:.2f} {unit}" if size > 1 else f"{n:.0f} B"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -135,7 +156,7 @@ def raise_write_error(path: Path, e: OSError) -> NoReturn:
     other OSError as it is. Called from the `except OSError` of every writer of dataset files."""
     if e.errno in (errno.ENOSPC, errno.EDQUOT):
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
-        raise DatasetError(f"disk full while writing {path} ({free / 1e9:.2f} GB free on its volume): free space "
+        raise DatasetError(f"disk full while writing {path} ({human_bytes(free)} free on its volume): free space "
                            f"or point EYAS_DATA at a larger volume, then rerun the same command; finished files are "
                            f"kept") from e
     if e.errno == errno.EROFS:
@@ -535,13 +556,35 @@ def open_output(ds: Dataset, *, stage: str, params: dict[str, Any], may_change: 
     return manifest
 
 
+# What every entry of a manifest's `files` holds (describe_files writes them; `records` and others are optional).
+FILE_ENTRY = {"name": str, "bytes": int, "sha256": str}
+
+
+def files_problem(files: Any) -> str | None:
+    """What makes a manifest's `files` unusable (not a list of FILE_ENTRY objects), or None."""
+    if not isinstance(files, list):
+        return f"`files` is a JSON {json_type(files)}, expected an array of files"
+    for i, entry in enumerate(files):
+        if not isinstance(entry, dict):
+            return f"`files[{i}]` is a JSON {json_type(entry)}, expected an object"
+        for key, kind in FILE_ENTRY.items():
+            if type(entry.get(key)) is not kind:  # exact: a JSON true is no byte count
+                found = f"is a JSON {json_type(entry[key])}" if key in entry else "is missing"
+                return (f"`files[{i}].{key}` {found}, expected a {json_type(kind())} "
+                        f"(every file is listed with its name, bytes and sha256)")
+    return None
+
+
+def final_files(ds: Dataset) -> list[Path]:
+    """Every final file in the dataset's folder: not its manifest, not a writer's temp file."""
+    return [p for p in sorted(ds.path.rglob("*")) if p.is_file() and p.name != MANIFEST and not is_temp(p)]
+
+
 def describe_files(ds: Dataset, records: dict[str, int] | None = None) -> list[dict[str, Any]]:
     """bytes, sha256 and (where known) record count of every final file in the dataset."""
     records = records or {}
     files = []
-    for p in sorted(ds.path.rglob("*")):
-        if not p.is_file() or p.name == MANIFEST or is_temp(p):
-            continue
+    for p in final_files(ds):
         rel = p.relative_to(ds.path).as_posix()
         entry: dict[str, Any] = {"name": rel, "bytes": p.stat().st_size, "sha256": sha256_file(p)}
         if rel in records:
@@ -572,6 +615,22 @@ def check_schema(ds: Dataset, manifest: dict[str, Any]) -> None:
                            f"use the eyas version that wrote it, or rerun {REMAKE[ds.kind]} with this one")
 
 
+def check_complete(ds: Dataset, manifest: dict[str, Any], *, allow_partial: bool = False) -> None:
+    """Refuse a dataset that is not finished (unless `allow_partial`), or whose status or file list no producer
+    writes: a producer writes 'partial' while it runs and 'complete', with every file listed, at its end."""
+    status = manifest.get("status")
+    if status not in ("partial", "complete"):
+        has = "no status" if status is None else f"status {status!r}"
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path} has {has}, which no eyas stage writes "
+                           f"('partial' while it runs, then 'complete'): it was edited; {remake_fix(ds)}")
+    if status == "partial" and not allow_partial:
+        raise DatasetError(f"{ds.ref}: status is 'partial', not 'complete' (its producer stopped before the "
+                           f"end); rerun {REMAKE[ds.kind]} with the same name to finish it")
+    if status == "complete" and "files" not in manifest:
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path} is complete but has no `files` to check its data "
+                           f"against: it was edited; {remake_fix(ds)}")
+
+
 def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path | None = None
                ) -> tuple[Dataset, dict[str, Any]]:
     """Open a dataset a stage consumes; refuse anything unknown, partial or malformed."""
@@ -581,9 +640,7 @@ def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path |
                            f"or check EYAS_DATA (now {ds.root})")
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
-    if manifest.get("status") != "complete" and not allow_partial:
-        raise DatasetError(f"{ds.ref}: status is {manifest.get('status')!r}, not 'complete' (its producer "
-                           f"stopped before the end); rerun {REMAKE[kind]} with the same name to finish it")
+    check_complete(ds, manifest, allow_partial=allow_partial)
     return ds, manifest
 
 
@@ -612,29 +669,50 @@ def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, A
 
 
 def verify(ds: Dataset) -> list[str]:
-    """Recompute bytes and sha256 of every file listed in the manifest; return the problems found."""
+    """The problems of a dataset's files against its manifest ('NAME: missing', ...), without the dataset's ref;
+    one of a manifest that cannot be checked (unknown schema, not complete: check_schema, check_complete)."""
     manifest = ds.read_manifest()
-    problems = []
     try:
         check_schema(ds, manifest)
+        check_complete(ds, manifest)
     except DatasetError as e:
-        problems.append(e.message)
-    if manifest.get("status") != "complete":
-        problems.append(f"status is {manifest.get('status')!r}")
-    listed = set()
-    for entry in manifest.get("files", []):
+        return [e.message.removeprefix(f"{ds.ref}: ")]
+    return file_problems(ds, manifest)
+
+
+def file_problems(ds: Dataset, manifest: dict[str, Any], names: set[str] | None = None) -> list[str]:
+    """Recompute bytes and sha256 of every file the complete `manifest` lists, and find files it does not list;
+    with `names`, of those files only (a reader that needs a few files of a large dataset hashes just them)."""
+    problems = []
+    listed = {entry["name"] for entry in manifest["files"]}
+    for name in sorted(names - listed) if names is not None else []:
+        problems.append(f"{name}: not in the manifest")
+    for entry in manifest["files"]:
+        if names is not None and entry["name"] not in names:
+            continue
         p = ds.path / entry["name"]
-        listed.add(entry["name"])
         if not p.is_file():
             problems.append(f"{entry['name']}: missing")
         elif p.stat().st_size != entry["bytes"]:
             problems.append(f"{entry['name']}: {p.stat().st_size} bytes, manifest says {entry['bytes']}")
         elif sha256_file(p) != entry["sha256"]:
             problems.append(f"{entry['name']}: sha256 differs from the manifest")
-    for entry in describe_files(ds) if manifest.get("status") == "complete" else []:
-        if entry["name"] not in listed:
-            problems.append(f"{entry['name']}: present but not in the manifest")
+    for name in (p.relative_to(ds.path).as_posix() for p in final_files(ds)) if names is None else []:
+        if name not in listed:
+            problems.append(f"{name}: present but not in the manifest")
     return problems
+
+
+def check_intact(ds: Dataset, manifest: dict[str, Any], names: set[str] | None = None) -> None:
+    """Refuse a dataset that is not complete, or whose files (`names` only, when given) are not the ones its
+    manifest lists, in one line naming the first problems and the fix: what `eyas-data verify` and every reader
+    of a finished dataset run."""
+    check_schema(ds, manifest)
+    check_complete(ds, manifest)
+    if problems := file_problems(ds, manifest, names):
+        more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
+        raise DatasetError(f"{ds.ref}: {'; '.join(problems[:3])}{more}: its files changed after it was finished; "
+                           f"restore them, or {remake_fix(ds)}")
 
 
 def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any] | None]]:
@@ -647,7 +725,7 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
         for d in sorted(p for p in kdir.iterdir() if p.is_dir() and not p.name.startswith(".")):
             ds = Dataset(root.absolute(), kind, d.name)
             try:
-                out.append((ds, ds.read_manifest()))
+                out.append((ds, ds.read_manifest(check=False)))  # a listing shows even a malformed one
             except (DatasetError, OSError):  # one bad dataset must not hide the others
                 out.append((ds, None))
     return out
@@ -655,9 +733,14 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
 
 def remove(ds: Dataset, *, dry_run: bool = False) -> str:
     """Delete a dataset folder (only say what would go when `dry_run`); a symlink in its place is unlinked,
-    never followed; anything else that is not a dataset folder inside the data root is refused."""
+    never followed; anything else that is not a dataset folder inside the data root is refused, and so is a
+    dataset a live writer holds (a dead writer's lock does not count)."""
+    # lock.py builds on this module, so it is imported only here, where it is used
+    from eyas_common.lock import held_for_removal, refuse_if_written
+
     if ds.path.is_symlink():
         # A link (e.g. an alias of another dataset): the link goes, whatever it points to stays.
+        refuse_if_written(ds)
         points_to = os.readlink(ds.path)
         if dry_run:
             return f"would delete the link {ds.path} (its target {points_to} is kept); nothing deleted (dry run)"
@@ -670,9 +753,10 @@ def remove(ds: Dataset, *, dry_run: bool = False) -> str:
     if target.parent.parent != root:
         raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
     if dry_run:
-        return f"would delete {target} ({folder_bytes(target) / 1e6:.1f} MB); nothing deleted (dry run)"
-    shutil.rmtree(target)
-    lock_file(ds).unlink(missing_ok=True)
+        refuse_if_written(ds)
+        return f"would delete {target} ({human_bytes(folder_bytes(target))}); nothing deleted (dry run)"
+    with held_for_removal(ds):  # no writer starts while its folder goes
+        shutil.rmtree(target)
     return f"deleted {target}"
 
 

@@ -6,7 +6,8 @@ flock when the holder dies however it dies (kill -9, OOM, power loss of a client
 stay stuck: a later writer finds the flock free, logs that it takes over from the holder named in the
 file, and writes its own name. A live holder's lock refuses the second writer with the holder's name.
 The file itself is never deleted while in use (a deleted lock file would let two writers hold two
-different inodes); a clean release empties it.
+different inodes); a clean release empties it. Only `eyas-data rm` deletes it, holding its flock, with the
+dataset (held_for_removal); a writer that opened it just before finds it unlinked and locks the new one.
 """
 
 from __future__ import annotations
@@ -17,6 +18,9 @@ import os
 import socket
 import sys
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso
@@ -54,18 +58,27 @@ class WriterLock:
         self._fd: int | None = None
         self.took_over: dict[str, Any] | None = None
 
-    def acquire(self) -> "WriterLock":
+    def _open_locked(self) -> int:
+        """The lock file, opened with our exclusive flock on it; refused, naming the holder, while one holds it."""
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = _read(fd)
-            os.close(fd)
-            what = f" part {self.part}" if self.part else ""
-            raise DatasetError(
-                f"{self.ds.ref}{what} is being written by {describe(holder)} (lock {self.path}); wait for it "
-                f"to end or stop it, or pick another --name. A crashed writer's lock is taken over on its own") from None
+        while True:
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = _read(fd)
+                os.close(fd)
+                what = f" part {self.part}" if self.part else ""
+                raise DatasetError(
+                    f"{self.ds.ref}{what} is being written by {describe(holder)} (lock {self.path}); wait for it to "
+                    f"end or stop it, or pick another --name. A crashed writer's lock is taken over on its own"
+                ) from None
+            if os.fstat(fd).st_nlink:
+                return fd
+            os.close(fd)  # deleted with its dataset (eyas-data rm) between our open and flock: lock the new one
+
+    def acquire(self) -> "WriterLock":
+        fd = self._open_locked()
         previous = _read(fd)
         if previous:  # not released cleanly: its holder died while writing
             self.took_over = previous
@@ -125,13 +138,50 @@ def holder(ds: Dataset, part: str = "") -> dict[str, Any] | None:
         os.close(fd)
 
 
+def lock_paths(ds: Dataset) -> list[Path]:
+    """The writer lock files of `ds` there are: its own and each part's."""
+    return sorted(lock_file(ds).parent.glob(f".{ds.name}.*lock"))
+
+
 def any_holder(ds: Dataset) -> dict[str, Any] | None:
     """Who writes `ds` now under any part's lock (extract's workers each hold their own), or None."""
-    for path in sorted(lock_file(ds).parent.glob(f".{ds.name}.*lock")):
+    for path in lock_paths(ds):
         part = path.name[len(ds.name) + 2:-len(".lock")]
         if (h := holder(ds, part)) is not None:
             return h
     return None
+
+
+def _removal_refused(ds: Dataset, holder: dict[str, Any] | None) -> DatasetError:
+    return DatasetError(f"{ds.ref} is being written by {describe(holder)}; stop it first, then rerun "
+                        f"`eyas-data rm {ds.ref}`")
+
+
+def refuse_if_written(ds: Dataset) -> None:
+    """Refuse to delete `ds` while a live writer holds any of its locks (a dead writer's does not count)."""
+    if (h := any_holder(ds)) is not None:
+        raise _removal_refused(ds, h)
+
+
+@contextmanager
+def held_for_removal(ds: Dataset) -> Iterator[None]:
+    """Hold every writer lock of `ds` while the caller deletes its folder, then delete the lock files: no writer
+    can start meanwhile. Refused, naming the holder, while a live writer holds any of them."""
+    paths = sorted({lock_file(ds), *lock_paths(ds)})
+    fds: list[int] = []
+    try:
+        for path in paths:
+            fds.append(os.open(path, os.O_RDWR | os.O_CREAT, 0o644))
+            try:
+                fcntl.flock(fds[-1], fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise _removal_refused(ds, _read(fds[-1])) from None
+        yield
+        for path in paths:  # still held: a writer that opened one meanwhile finds it unlinked (_open_locked)
+            path.unlink(missing_ok=True)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _read(fd: int) -> dict[str, Any] | None:

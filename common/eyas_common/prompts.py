@@ -5,13 +5,18 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
-from eyas_common.contract import DatasetError
+from eyas_common.contract import DatasetError, json_type
 
 # the one description of a prompts file every CLI's --prompts shows
 PROMPTS_HELP = ("JSONL (.jsonl) of OpenAI `messages`, ShareGPT `conversations` or a `prompt` string; else plain "
                 "text, one prompt per line.")
+
+# The field each record format is known by, and what its value must be.
+PROMPT_FIELDS = {"messages": "an array of {role, content} objects (OpenAI)",
+                 "conversations": "an array of {from, value} turns (ShareGPT)",
+                 "prompt": "a string"}
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "chatgpt": "assistant", "bing": "assistant"}
@@ -35,16 +40,25 @@ def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
     elif isinstance(rec, dict) and isinstance(rec.get("prompt"), str):
         msgs = [{"role": "user", "content": rec["prompt"]}]
     else:
-        found = (f"keys {', '.join(map(str, rec))}" if rec else "an empty object") if isinstance(rec, dict) \
-            else type(rec).__name__
-        raise DatasetError(f"{where}: expected an object with `messages` (OpenAI), `conversations` (ShareGPT) or a "
-                           f"`prompt` string, found {found}; for plain text, one prompt per line, name the file .txt")
+        _refuse_record(rec, where)
     # The target answers the last user turn itself: a recorded answer after it is dropped.
     while msgs and msgs[-1]["role"] == "assistant":
         msgs.pop()
     if not msgs or msgs[-1]["role"] != "user":
         raise DatasetError(f"{where}: the conversation has no user turn to answer")
     return msgs
+
+
+def _refuse_record(rec: Any, where: str) -> NoReturn:
+    """Raise what is wrong with a record that is none of the formats: a known field of the wrong type, or none."""
+    field = next((k for k in PROMPT_FIELDS if k in rec), None) if isinstance(rec, dict) else None
+    if field is not None:
+        raise DatasetError(f"{where}: `{field}` must be {PROMPT_FIELDS[field]}, found a JSON "
+                           f"{json_type(rec[field])}")
+    found = (f"keys {', '.join(map(str, rec))}" if rec else "an empty object") if isinstance(rec, dict) \
+        else f"a JSON {json_type(rec)}"
+    raise DatasetError(f"{where}: expected an object with `messages` (OpenAI), `conversations` (ShareGPT) or a "
+                       f"`prompt` string, found {found}; for plain text, one prompt per line, name the file .txt")
 
 
 def load_prompts(path: Path) -> list[list[dict[str, str]]]:

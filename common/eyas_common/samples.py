@@ -41,7 +41,7 @@ from typing import Any, Iterable
 
 from eyas_common.chat import ChatTokens, render_prompt
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, JsonlTail, finalize, iter_jsonl,
-                                  iter_jsonl_at, new_manifest)
+                                  iter_jsonl_at, json_type, new_manifest, remake_fix)
 from eyas_common.lock import holder
 
 SAMPLES, TRUNCATED, REJECTED, FAILURES = "samples.jsonl", "truncated.jsonl", "rejected.jsonl", "failures.jsonl"
@@ -140,6 +140,15 @@ class SampleLine:
     n_tokens: int
     n_masked: int
     pos: int  # byte offset of its line
+
+
+def bad_line_fix(ds: Dataset, manifest: dict[str, Any]) -> str:
+    """What to do about an unreadable line of a synth file (malformed JSON, no id): the fix its refusal names."""
+    if manifest.get("status") == "complete":
+        return f"{ds.ref} was edited after it was finished; {remake_fix(ds)}"
+    # synth appends whole lines; a kill tears only the last one, which the next run cuts (repair_jsonl)
+    return (f"only the last line of a killed run can be torn, and the next run cuts it: this one was written by "
+            f"something else. Delete that line (its sample is asked for again) and rerun, or {remake_fix(ds)}")
 
 
 CORRUPTED = (f"the synth dataset is corrupted: check it with `eyas-data verify`, then remake it with "
@@ -366,15 +375,20 @@ def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer, blo
     return problems
 
 
-def validate_synth_file(path, tokenizer, check_prompt: bool = True) -> tuple[int, list[tuple[Any, list[str]]]]:
-    """Validate every sample of a samples.jsonl: (samples read, [(sample id, problems), ...])."""
+def validate_synth_file(path, tokenizer, check_prompt: bool = True, fix: str = ""
+                        ) -> tuple[int, list[tuple[Any, list[str]]]]:
+    """Validate every sample of a samples.jsonl: (samples read, [(sample id, problems), ...]); a line that is not
+    JSON is refused naming file, line and `fix` (bad_line_fix)."""
     tokens = ChatTokens.of(tokenizer)
     seen: set[Any] = set()
     bad: list[tuple[Any, list[str]]] = []
     n = 0
-    for lineno, sample in iter_jsonl(path):
+    for lineno, sample in iter_jsonl(path, fix=fix):
         n += 1
-        sid = sample.get("id", f"line {lineno}")
+        if not isinstance(sample, dict):
+            bad.append((f"line {lineno}", [f"a JSON {json_type(sample)}, not a sample object"]))
+            continue
+        sid = sample["id"] if isinstance(sample.get("id"), int) else f"line {lineno}"  # its problems say why
         problems = validate_sample(sample, tokenizer, tokens, check_prompt)
         if sid in seen:
             problems.append("duplicate sample id")

@@ -72,7 +72,8 @@ def run(quiet: bool, **kwargs) -> None:
 @click.option("--show", type=click.IntRange(min=0), default=20, help="Samples to list in the report (all are counted).")
 @click.option("--trust-remote-code", is_flag=True, help="Run the tokenizer code shipped with the target (explicit opt-in).")
 def validate(name: str, model: Path | None, show: int, trust_remote_code: bool) -> None:
-    """Check every sample of synth dataset NAME; exit 1 with a per-sample report if any is unsound."""
+    """Check synth dataset NAME as the next stage will (complete, every file as its manifest lists it) and then every
+    sample; exit 1 with one line for a dataset eyas-extract would refuse, or a per-sample report if any is unsound."""
     report = validate_synth(name, model=model, trust_remote_code=trust_remote_code)
     bad = report["bad"]
     for sid, problems in bad[:show]:

@@ -27,8 +27,8 @@ from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize,
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
-from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, budget_count, new_sample,
-                                 parse_budget, validate_sample)
+from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
+                                 new_sample, parse_budget, validate_sample)
 from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
@@ -134,19 +134,23 @@ def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tupl
     return sample, problems
 
 
-def scan(ds: Dataset) -> tuple[set[int], Counts]:
+def scan(ds: Dataset, manifest: dict[str, Any]) -> tuple[set[int], Counts]:
     """Ids already answered (kept, set aside or rejected) and the counts of what is there; reads only.
 
     The one source of the dataset's counts, so the stats are the same whether or not a run was
-    interrupted. A torn last line (a killed run) is skipped here and cut when the file is next appended to.
+    interrupted. A torn last line (a killed run) is skipped here and cut when the file is next appended to;
+    any other unreadable line is refused with what to do about it (bad_line_fix, by the manifest's status).
     """
     done: set[int] = set()
     c = Counts()
+    fix = bad_line_fix(ds, manifest)
     for name in ANSWERED:
         path = ds.path / name
         if not path.exists():
             continue
-        for _, rec in iter_jsonl(path, torn_end_ok=True):
+        for lineno, rec in iter_jsonl(path, torn_end_ok=True, fix=fix):
+            if not isinstance(rec, dict) or type(rec.get("id")) is not int:
+                raise DatasetError(f"{path}:{lineno}: a record without an integer id; {fix}")
             if rec["id"] in done:
                 raise DatasetError(f"{path}: sample id {rec['id']} appears twice; the dataset was edited by hand")
             done.add(rec["id"])
@@ -348,7 +352,7 @@ def _prepare(ds: Dataset, cfg: SynthConfig, tokenizer, conversations: list[list[
     manifest = open_output(ds, stage="01_synth", params=asdict(cfg), may_change=MAY_CHANGE,
                            target=target_fingerprint(tokenizer, cfg.model), inputs=[],
                            allow_code_change=allow_code_change, complete="extend")
-    done, _ = scan(ds)
+    done, _ = scan(ds, manifest)
     extra = sorted(i for i in done if i >= cfg.n)
     if extra:
         raise DatasetError(f"{ds.ref} already holds samples with ids up to {extra[-1]}, more than --n {cfg.n}; "
@@ -399,7 +403,7 @@ def _run_and_finish(st: RunState, progress: bool) -> dict[str, Any]:
 
 def _finish(st: RunState, wall: float) -> dict[str, Any]:
     ds, cfg = st.ds, st.cfg
-    done, counts = scan(ds)  # from the files, so the stats agree whether or not a run was interrupted
+    done, counts = scan(ds, st.manifest)  # from the files, so the stats agree whether or not a run was interrupted
     counts.failed = len(st.failed)
     missing = [i for i in range(cfg.n) if i not in done]  # ids with no answer (rejected ones are answered)
     stats = asdict(counts) | {
