@@ -90,13 +90,28 @@ def weight_files(model: str | Path) -> dict[str, Path]:
     files = sorted(model.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model}: the target must be a local safetensors checkpoint")
-    return {name: f for f in files for name in _header(f) if name != "__metadata__"}
+    return {name: f for f in files for name in read_header(f) if name != "__metadata__"}
 
 
-def _header(path: Path) -> dict[str, Any]:
-    with path.open("rb") as f:
-        (n,) = struct.unpack("<Q", f.read(8))
-        return json.loads(f.read(n))
+def read_header(path: Path) -> dict[str, Any]:
+    """The header of a safetensors file (tensor name -> dtype, shape, data_offsets; `__metadata__`), read without
+    its tensors. ValueError saying what is wrong when the file is not a whole safetensors file: the header says
+    how many bytes the tensors take, so a file cut short is told from a whole one without reading them."""
+    size = Path(path).stat().st_size
+    with Path(path).open("rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else 0
+        if not 0 < n <= size - 8:
+            raise ValueError(f"{size:,} bytes, too short for the header its first bytes announce (empty or cut short)")
+        raw = f.read(n)
+    try:
+        header = json.loads(raw)
+        need = 8 + n + max((t["data_offsets"][1] for k, t in header.items() if k != "__metadata__"), default=0)
+    except (ValueError, KeyError, TypeError, AttributeError, IndexError) as e:
+        raise ValueError(f"its header is not a safetensors header ({type(e).__name__}: {e})") from None
+    if size < need:
+        raise ValueError(f"{size:,} bytes, but its header describes {need:,} (cut short)")
+    return header
 
 
 def read_checkpoint_size(model: str | Path) -> CheckpointSize:
@@ -116,7 +131,7 @@ def read_checkpoint_size(model: str | Path) -> CheckpointSize:
         raise FileNotFoundError(f"{model}: no *.safetensors and no {INDEX}; the target must be a safetensors checkpoint")
     stored = params = experts = 0
     for f in files:
-        for name, t in _header(f).items():
+        for name, t in read_header(f).items():
             if name == "__metadata__":
                 continue
             n = 1

@@ -29,10 +29,10 @@ import torch
 from tqdm import tqdm
 
 from eyas_common.chat import ChatTokens, load_tokenizer, render_prompt, resolve_thinking, target_fingerprint
-from eyas_common.checkpoint import read_checkpoint_size
-from eyas_common.contract import DatasetError, check_target, open_input, write_json_atomic
+from eyas_common.checkpoint import read_checkpoint_size, read_text_config
+from eyas_common.contract import DatasetError, check_target, open_input, temp_path, write_json_atomic
 from eyas_common.prompts import load_prompts
-from eyas_common.drafts import draft_method, served_spec_tokens
+from eyas_common.drafts import check_folder, draft_method, served_spec_tokens
 from eyas_train.dflash import DFlashDraft
 from eyas_train.dflash_export import load_dflash_draft
 from eyas_train.export import load_draft
@@ -128,6 +128,19 @@ def memory_check(model: str | Path, dtype: str, cuda: bool) -> str:
     return line
 
 
+def check_writable(out: Path) -> None:
+    """--out is written after the whole evaluation: try writing a file where it goes first (its nearest existing
+    folder, when the rest is still to be made), so that a bad path is refused before the work, not after it."""
+    folder = next(p for p in out.absolute().parents if p.exists())
+    probe = temp_path(folder / out.name)
+    try:
+        probe.open("wb").close()
+        probe.unlink()
+    except OSError as e:
+        raise DatasetError(f"--out {out}: cannot write in {folder} ({e.strerror}); pass an --out in a writable "
+                           f"folder") from None
+
+
 def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int | None = None, max_tokens: int = 256,
              thinking: bool | None = None, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
              trust_remote_code: bool = False, out: Path | None = None,
@@ -139,6 +152,12 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
 
     t0 = time.monotonic()
     ds, manifest = open_input(draft, "drafts", root=data_root)
+    try:
+        check_folder(ds, manifest, read_text_config(model))  # before the target is loaded
+    except FileNotFoundError as e:
+        raise DatasetError(str(e)) from None
+    if out is not None:
+        check_writable(Path(out))
     tok = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tok, model))
     thinking, _ = resolve_thinking(tok, thinking)

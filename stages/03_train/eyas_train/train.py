@@ -9,6 +9,7 @@ import dataclasses
 import itertools
 import random
 import re
+import shutil
 import sys
 import time
 from collections.abc import Iterator
@@ -22,10 +23,10 @@ from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import read_text_config
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, atomic_output, await_start,
-                                  check_target, finalize, input_ref, iter_jsonl, new_manifest, open_input, open_output,
-                                  write_jsonl_atomic)
-from eyas_common.drafts import BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, await_start, check_target, finalize,
+                                  input_ref, iter_jsonl, new_manifest, open_input, open_output, write_jsonl_atomic)
+from eyas_common.drafts import (BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths,
+                                read_checkpoint, readable_checkpoint, write_checkpoint)
 from eyas_common.hidden import HiddenShards, consume, shard_name, size_text
 from eyas_common.lock import WriterLock
 from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
@@ -94,17 +95,27 @@ def checkpoints(folder: Path) -> list[Path]:
 
 
 def save_checkpoint(folder: Path, payload: dict[str, Any], keep: int) -> Path:
-    """torch.save to a temp file, fsync, rename; then drop all but the newest `keep`."""
-    path = _save_atomic(folder / CKPT_DIR / checkpoint_name(payload["step"]), payload)
+    """Write the checkpoint (atomically: eyas_common.drafts), then drop all but the newest `keep`."""
+    path = write_checkpoint(folder / CKPT_DIR / checkpoint_name(payload["step"]), payload)
     for old in checkpoints(folder)[:-keep]:
         old.unlink()
     return path
 
 
-def _save_atomic(path: Path, payload: dict[str, Any]) -> Path:
-    with atomic_output(path) as tmp:
-        torch.save(payload, tmp)
-    return path
+def resume_checkpoint(out: Dataset) -> dict[str, Any] | None:
+    """The newest checkpoint of a partial draft (None: none yet, or the draft is complete). An unreadable one
+    is refused, naming the checkpoint the rerun would resume from once it is deleted."""
+    found = checkpoints(out.path) if out.exists() and out.read_manifest().get("status") != "complete" else []
+    if not found:
+        return None
+    try:
+        return read_checkpoint(found[-1])
+    except DatasetError as e:
+        good = readable_checkpoint(found[:-1])
+        fix = (f"delete it and rerun the same command to resume from {good.name}, the newest readable one" if good
+               else f"no checkpoint in {found[-1].parent} is readable: delete that folder and rerun the same command "
+                    f"to start over")
+        raise DatasetError(f"{e.message}; {fix}") from None
 
 
 def rng_state() -> dict[str, Any]:
@@ -177,8 +188,7 @@ def _open(cfg: TrainConfig, data_root: Path | None, allow_code_change: bool):
     fingerprint = target_fingerprint(load_tokenizer(cfg.model, cfg.trust_remote_code), cfg.model)
     check_target(hidden_ds, hidden_m, fingerprint)
     out = Dataset.parse(cfg.name, "drafts", data_root)
-    found = checkpoints(out.path) if out.exists() and out.read_manifest().get("status") != "complete" else []
-    ckpt = torch.load(found[-1], map_location="cpu", weights_only=False) if found else None
+    ckpt = resume_checkpoint(out)
     manifest = open_output(out, stage="03_train", params=cfg.to_dict(), may_change=MAY_CHANGE, target=fingerprint,
                            inputs=_resume_inputs(cfg, out, hidden_ds, hidden_m), allow_code_change=allow_code_change,
                            resume=ckpt is not None, made_with=TrainConfig.as_saved(ckpt["config"]) if ckpt else None,
@@ -537,7 +547,7 @@ def _maybe_validate(s: RunState, log: JsonlAppender | None, bar: tqdm) -> bool:
         b.update(step=s.step, score=record["val_predicted"][-1], stale=0, val=record)
         model_sd, _ = parallel.state_dicts(s.module, s.opt)
         if s.d.main:
-            _save_atomic(s.out.path / CKPT_DIR / BEST_FILE, {"step": s.step, "model": model_sd, "val": record})
+            write_checkpoint(s.out.path / CKPT_DIR / BEST_FILE, {"step": s.step, "model": model_sd, "val": record})
     else:
         b["stale"] += 1
     if s.cfg.patience and b["stale"] >= s.cfg.patience and s.step < s.recipe.total_steps:
@@ -586,7 +596,11 @@ def _finish(s: RunState, t_start: float) -> None:
     if not s.d.main:
         return
     if use_best:
-        model_sd = torch.load(s.out.path / CKPT_DIR / BEST_FILE, map_location="cpu", weights_only=False)["model"]
+        try:
+            model_sd = read_checkpoint(s.out.path / CKPT_DIR / BEST_FILE)["model"]
+        except DatasetError as e:
+            raise DatasetError(f"{e.message}; export a step checkpoint instead (`eyas-train export {s.out.name}`, "
+                               f"or --step N)") from None
     state = {k.removeprefix("draft."): v for k, v in model_sd.items()}
     if s.method:
         s.method.export(s, state)
@@ -751,23 +765,39 @@ def export_checkpoint(name: str, *, step: int | None = None, out: str | None = N
 
     Into NAME, the dataset becomes complete only when the checkpoint is the run's last step (an earlier
     step is written but the status stays partial); drafts/OUT is a complete snapshot with its own lineage.
+    A failed export into OUT removes the folder it made, so the same command can be run again.
     """
-    src = Dataset.parse(name, "drafts", data_root)
-    m = src.read_manifest()
+    src, m = open_input(name, "drafts", allow_partial=True, root=data_root)  # an unknown schema is refused
     found = {int(p.stem.removeprefix("step-")): p for p in checkpoints(src.path)}
     chosen = max(found) if step is None and found else step
     if chosen not in found:
         raise DatasetError(f"{src.ref}: no checkpoint at step {chosen}; have {sorted(found) or 'none'}")
     dest = src if out is None else Dataset.parse(out, "drafts", data_root)
-    if dest != src and (dest.path.exists() or dest.path.is_symlink()):
-        raise DatasetError(f"--out {dest.ref}: {dest.path} already exists; export never overwrites a dataset: "
-                           f"pick another --out, or delete it first with `eyas-data rm {dest.ref}`")
     with WriterLock(dest, stage="03_train export"):
-        return _export(src, m, dest, chosen, found[chosen])
+        if dest != src and (dest.path.exists() or dest.path.is_symlink()):
+            raise DatasetError(f"--out {dest.ref}: {dest.path} already exists; export never overwrites a dataset: "
+                               f"pick another --out, or delete it first with `eyas-data rm {dest.ref}`")
+        try:
+            return _export(src, m, dest, chosen, _export_checkpoint(found, chosen))
+        except BaseException:
+            if dest != src:  # it did not exist before (above), so all of it is this export's own
+                shutil.rmtree(dest.path, ignore_errors=True)
+            raise
 
 
-def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, path: Path) -> Path:
-    ckpt = torch.load(path, map_location="cpu", weights_only=False)
+def _export_checkpoint(found: dict[int, Path], chosen: int) -> dict[str, Any]:
+    """Checkpoint `chosen` of `found` (step -> path); an unreadable one is refused naming a readable step."""
+    try:
+        return read_checkpoint(found[chosen])
+    except DatasetError as e:
+        good = readable_checkpoint([found[k] for k in sorted(found) if k != chosen])
+        step = {path: k for k, path in found.items()}.get(good)
+        instead = (f"export --step {step}, the newest readable checkpoint, instead (and delete the damaged one)"
+                   if good else f"no other checkpoint is readable: delete it and retrain with {REMAKE['drafts']}")
+        raise DatasetError(f"{e.message}; {instead}") from None
+
+
+def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, ckpt: dict[str, Any]) -> Path:
     p = m["params"]
     state = {k.removeprefix("draft."): v for k, v in ckpt["model"].items()}
     if p["config"].get("method") == "dflash":
@@ -778,7 +808,7 @@ def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, path: P
         write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], read_text_config(p["config"]["model"]))
     stats = {**m.get("stats", {}), "exported_step": chosen}
     if dest == src:
-        if chosen == p["total_steps"]:
+        if chosen == p["total_steps"] or m.get("status") == "complete":  # a complete one's files are hashed again
             finalize(src, m, stats=stats)
         else:
             m["stats"] = stats

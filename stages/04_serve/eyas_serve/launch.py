@@ -21,7 +21,7 @@ import click
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import CONFIG, read_text_config
 from eyas_common.contract import Dataset, DatasetError, check_target, open_input
-from eyas_common.drafts import read_config
+from eyas_common.drafts import check_folder
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command, engine_env, prompt_lookup_config
 from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
@@ -32,15 +32,16 @@ def say(msg: str) -> None:
 
 
 def check_draft(draft: str, model: str | Path, trust_remote_code: bool = False) -> tuple[Dataset, dict[str, Any]]:
-    """Open drafts/NAME and refuse it unless it was made for MODEL: same tokenizer, same hidden size."""
+    """Open drafts/NAME and refuse it unless it was made for MODEL (same tokenizer, same hidden size, layers it
+    has) and a server can load it (eyas_common.drafts.check_folder: config, weights' shapes, manifest hashes)."""
     ds, manifest = open_input(draft, "drafts")
     model = Path(model)
     try:
-        served = read_text_config(model).get("hidden_size")  # the text model's, for wrappers like Kimi-K2.5
+        text = read_text_config(model)  # the text model's, for wrappers like Kimi-K2.5
     except FileNotFoundError:
         raise DatasetError(f"--model {model}: no {CONFIG} there; pass the local folder of the target") from None
     check_target(ds, manifest, target_fingerprint(load_tokenizer(model, trust_remote_code), model))
-    made_for = read_config(ds.path).get("target_hidden_size")
+    made_for, served = check_folder(ds, manifest, text).get("target_hidden_size"), text.get("hidden_size")
     if made_for is not None and served is not None and int(made_for) != int(served):
         raise DatasetError(f"{ds.ref} was trained for a target of hidden size {made_for} "
                            f"({(manifest.get('target') or {}).get('model')}), but {model} has hidden size "
