@@ -174,7 +174,8 @@ def verdict(stages: Stages, total_s: float) -> None:
     print("per position           " + " ".join(f"{p:.2f}" for p in spec.get("per_position") or []))
     for lv in results["levels"]:
         b = lv["baseline"]
-        print(f"speedup at c={lv['concurrency']:<3}      {lv['speedup']:.2f}x  ({lv['draft']['tokens_per_s']:.0f} "
+        speedup = "n/a" if lv["speedup"] is None else f"{lv['speedup']:.2f}x"  # a baseline with no tokens has none
+        print(f"speedup at c={lv['concurrency']:<3}      {speedup}  ({lv['draft']['tokens_per_s']:.0f} "
               f"tok/s with the draft, {b['tokens_per_s']:.0f} without)")
     print("\nwall time per stage (s)")
     for key, secs in stages.times.items():

@@ -246,7 +246,7 @@ def prompt_lookup(root: Path, target: str, model: Path, heldout: Path, baseline:
     _, _, results = read_results(f"bench/{name}", root)
     spec = results["spec"]
     steps = sum(lv["draft"]["output_tokens"] for lv in results["levels"]) / spec["tokens_per_step"]
-    speedups = " ".join(f"{lv['speedup']:.2f}x" for lv in results["levels"])
+    speedups = " ".join("n/a" if lv["speedup"] is None else f"{lv['speedup']:.2f}x" for lv in results["levels"])
     return (f"{target}: prompt lookup (vLLM n-gram {lookup['prompt_lookup_min']}-"
             f"{lookup['prompt_lookup_max']}, K {SPEC_TOKENS}, no draft model): "
             f"{_f(spec['tokens_per_step'])} tokens per target step; acceptance length "

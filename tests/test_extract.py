@@ -7,6 +7,7 @@ import hashlib
 import importlib.util
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -25,7 +26,7 @@ from eyas_extract.capture import encode, find_parts
 from eyas_extract.config import ExtractConfig
 from eyas_extract.hf_backend import pad_batch
 from eyas_extract.run import run as extract
-from eyas_common.hidden import ShardWriter, bytes_per_token, dequant_aux, open_hidden, shard_layout
+from eyas_common.hidden import ShardWriter, bytes_per_token, count_shard, dequant_aux, open_hidden, shard_layout
 from eyas_common.samples import SampleLine
 from eyas_testing.datasets import make_synth
 from eyas_testing.fixture import build_deepseek_fixture
@@ -281,6 +282,31 @@ def test_shard_parts_equal_single_run(root, baseline, fixture_target):
     assert [r["worker"] for r in open_hidden("hidden/parts", data_root=root).manifest["stats"]["workers"]] == [0, 1]
 
 
+def test_an_unreadable_shard_of_a_partial_dataset_is_extracted_again(root, baseline, fixture_target, capsys):
+    """A partial dataset whose shard file was cut short (a full disk, a copy): rerunning the same command
+    extracts that shard again, saying so, and ends as one uninterrupted run. A complete dataset's shards are
+    never remade; reading a broken one names the fix that works (a rerun alone skips every file there)."""
+    go = dict(synth=SYNTH, model=fixture_target, name="torn", data_root=root, **SMALL)
+    extract(shard="0/2", **go)  # partial: shards 0 and 2 of 4, as a run killed after them leaves it
+    ds = Dataset.parse("hidden/torn", root=root)
+    torn = ds.path / "shard-00002.safetensors"
+    os.truncate(torn, torn.stat().st_size // 2)
+    with pytest.raises(DatasetError, match=rf"{re.escape(str(torn))} is not a readable .*; delete that file"):
+        count_shard(ds, 2)
+    capsys.readouterr()
+    stats = extract(**go)
+    assert f"{torn} is not a readable safetensors file" in capsys.readouterr().err
+    assert stats["dataset"]["samples"] == 12 and shard_hashes(ds.path) == shard_hashes(baseline)
+    os.truncate(torn, size := torn.stat().st_size // 2)
+    extract(**go)  # complete: reported done, its files left as they are
+    assert torn.stat().st_size == size
+    fix = r"restore the file from a copy, or delete the dataset with `eyas-data rm hidden/torn --yes` and rerun"
+    with pytest.raises(DatasetError, match=r"not a readable safetensors file .*; " + fix):
+        count_shard(ds, 2)
+    with pytest.raises(DatasetError, match=rf"shard-00002.safetensors is {size} bytes, the manifest says .*{fix}"):
+        open_hidden("hidden/torn", data_root=root)  # a training run's reader
+
+
 @pytest.mark.slow  # torchrun extraction: not in `make test-fast`
 def test_torchrun_ranks_equal_single_run(root, baseline, fixture_target):
     torchrun = Path(sys.executable).with_name("torchrun")
@@ -348,10 +374,11 @@ def test_refusals(root, fixture_target, monkeypatch):
     bad = copy_synth(root, "corrupt")
     lines = (bad / "samples.jsonl").read_bytes()
     (bad / "samples.jsonl").write_bytes(lines.replace(b'"stop"', b'"stoq"', 1))  # same size, other bytes
-    with pytest.raises(DatasetError, match=r"synth/corrupt is corrupted: samples.jsonl: sha256 differs.*eyas-data ver"):
+    with pytest.raises(DatasetError, match=r"synth/corrupt: samples.jsonl: sha256 differs.*changed after it was "
+                                           r"finished; restore them, or remake"):
         extract(synth="synth/corrupt", name="x", **go)
     (bad / "samples.jsonl").write_bytes(lines[: len(lines) // 2])
-    with pytest.raises(DatasetError, match=r"corrupted: samples.jsonl: \d+ bytes, manifest says"):
+    with pytest.raises(DatasetError, match=r"synth/corrupt: samples.jsonl: \d+ bytes, manifest says"):
         extract(synth="synth/corrupt", name="x", **go)
     other = copy_synth(root, "schema")
     (other / "manifest.json").write_text(json.dumps(m | {"schema": "eyas.synth/2"}))
@@ -371,7 +398,7 @@ def test_refusals(root, fixture_target, monkeypatch):
     import eyas_extract.run as run_mod
 
     monkeypatch.setattr(run_mod, "_free_bytes", lambda path: 10_000)
-    with pytest.raises(DatasetError, match=r"needs [\d.]+ GB but 0.00 GB are free.*--aux-dtype fp8"):
+    with pytest.raises(DatasetError, match=r"needs [\d.]+ [KM]B but 10.00 KB are free.*--aux-dtype fp8"):
         extract(synth=SYNTH, name="x", **go)
     monkeypatch.undo()
     # A resume must use the options the dataset was started with.

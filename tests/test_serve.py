@@ -18,7 +18,7 @@ import pytest
 
 from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_results, write_results
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, write_json_atomic
+from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, remove, write_json_atomic
 from eyas_testing.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command
@@ -151,15 +151,26 @@ def _level(c: int, tps: float) -> dict:
 
 
 def _draft_dataset(root: Path, model: Path, name: str = "d", hidden_size: int = 128) -> Dataset:
+    import numpy as np
+    from safetensors.numpy import save_file
+
     ds = Dataset.parse(name, "drafts", root)
     ds.path.mkdir(parents=True)
-    # the keys a server (and eyas_common.drafts.read_config) needs; the weights are not read before a launch
+    # the keys a server (and eyas_common.drafts.read_config) needs
     write_json_atomic(ds.path / "config.json", {
         "architectures": ["LlamaForCausalLMEagle3"], "hidden_size": hidden_size, "num_attention_heads": 4,
         "num_key_value_heads": 2, "intermediate_size": 320, "vocab_size": 3000, "draft_vocab_size": 1024,
         "target_hidden_size": hidden_size, "eagle_aux_hidden_state_layer_ids": [2, 4, 5],
         "eagle_config": {"use_aux_hidden_state": True, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}})
-    (ds.path / "model.safetensors").touch()
+    # weights of the shapes that config gives (a launch reads their header, not their values)
+    h, layer = hidden_size, {"q_proj": (hidden_size, 2 * hidden_size), "k_proj": (hidden_size // 2, 2 * hidden_size),
+                             "v_proj": (hidden_size // 2, 2 * hidden_size), "o_proj": (hidden_size, hidden_size)}
+    shapes = {"fc.weight": (h, 3 * h), "norm.weight": (h,), "lm_head.weight": (1024, h), "d2t": (1024,),
+              "t2d": (3000,), **{f"midlayer.self_attn.{k}.weight": v for k, v in layer.items()},
+              **{f"midlayer.{k}.weight": (h,) for k in ("input_layernorm", "hidden_norm", "post_attention_layernorm")},
+              "midlayer.mlp.gate_proj.weight": (320, h), "midlayer.mlp.up_proj.weight": (320, h),
+              "midlayer.mlp.down_proj.weight": (h, 320)}
+    save_file({k: np.zeros(v, np.float32) for k, v in shapes.items()}, str(ds.path / "model.safetensors"))
     m = new_manifest("drafts", stage="03_train", target=target_fingerprint(load_tokenizer(model), model),
                      inputs=[{"ref": "hidden/h", "manifest_sha256": "0" * 64},
                              {"ref": "synth/s", "manifest_sha256": "1" * 64}], params={})
@@ -214,6 +225,65 @@ def test_a_second_bench_writer_is_refused_and_the_first_ones_results_stand(tmp_p
     assert read_results("bench/b", root=tmp_path)[1]["status"] == "complete"
 
 
+def _damage(out: Dataset, damage: str) -> None:
+    """results.json of a complete bench as a user may leave it: gone, cut short, edited, or edited and hashed again."""
+    path = out.path / RESULTS
+    text = path.read_text()
+    if damage == "missing":
+        path.unlink()
+    elif damage == "truncated":
+        path.write_text(text[:100])
+    elif damage == "edited":  # same size, other bytes: only the sha256 tells
+        path.write_text(text.replace('"requests": 4', '"requests": 9', 1))
+    else:  # a value of the wrong type, in a manifest that hashes it (finalized again by hand)
+        results = json.loads(text)
+        results["levels"][0]["draft"]["tokens_per_s"] = "fast"
+        write_json_atomic(path, results)
+        finalize(out, out.read_manifest(), stats={})
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("missing", r"bench/b: results\.json: missing: its files changed after it was finished; restore them, or "),
+    ("truncated", r"bench/b: results\.json: 100 bytes, manifest says \d+: its files changed"),
+    ("edited", r"bench/b: results\.json: sha256 differs from the manifest: its files changed"),
+    ("wrong type", r"results\.json: levels\[0\]\.draft\.tokens_per_s is 'fast', not a number"),
+])
+def test_report_refuses_damaged_results_in_one_line_with_the_fix_that_works(damage, says, tmp_path):
+    out, m = start("b", draft=None, params={}, root=tmp_path)
+    write_results(out, m, {"engine": "vllm", "server": "http://a", "baseline": "http://b", "prompts": "p.jsonl",
+                           "levels": [_level(1, 100.0)], "spec": _level(1, 1)["spec"], "spec_tokens": 3}, stats={})
+    _damage(out, damage)
+    fix = "remake it: `eyas-data rm bench/b --yes`, then rerun eyas-serve bench"
+    for args in ((), ("--json",)):
+        r = serve_cli(tmp_path, "report", "b", *args)
+        assert r.returncode == 1 and not r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+        assert len(r.stderr.strip().splitlines()) == 1 and re.search(says + ".*" + re.escape(fix), r.stderr), r.stderr
+    with pytest.raises(DatasetError, match="already complete"):  # why a rerun alone is not the fix
+        start("b", draft=None, params={}, root=tmp_path)
+    remove(out)
+    assert start("b", draft=None, params={}, root=tmp_path)[1]["status"] == "partial"
+
+
+def test_a_bench_whose_baseline_produced_no_tokens_finishes_without_a_speedup(tmp_path, capsys):
+    """No baseline tokens/s to divide by: the speedup is null, printed as n/a with the reason, and the bench
+    is complete (it crashed on formatting the null, leaving bench/b partial)."""
+    from eyas_serve.bench import run as run_bench
+    from eyas_testing.stub import start_stub, vllm_body
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a question\n")
+    with start_stub() as server, start_stub(answer=lambda payload: vllm_body("", [1, 2], [])) as empty:
+        results = run_bench(server=server.url, baseline=empty.url, engine="vllm", prompts=prompts, name="b",
+                            concurrency=(1,), warmup=0, max_tokens=8, data_root=tmp_path)
+    assert results["levels"][0]["baseline"]["tokens_per_s"] == 0 and results["levels"][0]["speedup"] is None
+    assert "speedup n/a (baseline produced no tokens)" in capsys.readouterr().err
+    _, manifest, back = read_results("bench/b", root=tmp_path)
+    assert manifest["status"] == "complete"
+    text = table(back, manifest)
+    assert re.search(r"^ +1 +[\d.]+ +0\.0 +n/a ", text, re.M), text
+    assert "speedup at 1 in flight: n/a (baseline produced no tokens)" in text
+
+
 # ------------------------------------------------------------------------------------------------
 # refusals before anything starts (the real CLI)
 
@@ -259,6 +329,29 @@ def test_a_draft_for_another_target_is_refused_before_anything_starts(change, tm
     assert r.returncode == 0, r.stderr
     assert r.stdout.startswith("NCCL_P2P_DISABLE=1 ") and '"method": "eagle3"' in r.stdout
     assert r.stdout.strip().endswith("--max-model-len 1024")
+
+
+@pytest.mark.parametrize("damage, says", [
+    ("truncated", "model.safetensors: not a whole safetensors file (20,000 bytes, but its header describes"),
+    ("aux ids", "config.json: eagle_aux_hidden_state_layer_ids [2, 4, 9] name layers the target does not have "
+                "(it has 8"),
+    ("draft vocab", "config.json: draft_vocab_size is 512, but model.safetensors holds lm_head.weight of shape "
+                    "[1024, 128]"),
+])
+def test_a_draft_no_server_could_load_is_refused_before_anything_starts(damage, says, tmp_path, fixture_target):
+    """eyas_common.drafts.check_folder: what vLLM would fail on (or load wrong), refused from the header alone."""
+    ds = _draft_dataset(tmp_path, fixture_target)
+    cfg = json.loads((ds.path / "config.json").read_text())
+    if damage == "truncated":
+        os.truncate(ds.path / "model.safetensors", 20_000)
+    elif damage == "aux ids":
+        cfg["eagle_aux_hidden_state_layer_ids"] = cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [2, 4, 9]
+    else:
+        cfg["draft_vocab_size"] = 512
+    write_json_atomic(ds.path / "config.json", cfg)
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--draft", "drafts/d", "--print")
+    assert r.returncode == 1 and not r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1 and says in r.stderr and "eyas-train export" in r.stderr, r.stderr
 
 
 def test_prompt_lookup_is_vllms_and_replaces_a_draft(tmp_path):

@@ -1,7 +1,8 @@
 """The bench dataset `bench/NAME/`: a served draft measured against its target (stage 04 writes it).
 
 Files of a bench dataset:
-    results.json   what was measured (below), validated on write and on read
+    results.json   what was measured (below), validated on write and on read (on read after its bytes are
+                   checked against the sha256 the manifest recorded)
     bench.png      acceptance per position; output tokens/s against concurrency with and without the draft
     manifest.json  schema eyas.bench/1; inputs: the draft, then its hidden and synth datasets (lineage);
                    target: the draft's target fingerprint; params: the bench configuration
@@ -27,13 +28,22 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, finalize, input_ref, open_input, open_output,
-                                  write_json_atomic)
+from eyas_common.contract import (Dataset, DatasetError, check_intact, finalize, input_ref, open_input, open_output,
+                                  remake_fix, write_json_atomic)
 
 RESULTS, PLOT = "results.json", "bench.png"
 STAGE = "04_serve"
 _LATENCY_KEYS = ("requests", "errors", "output_tokens", "duration_s", "tokens_per_s", "ttft_ms", "itl_ms")
 _SPEC_KEYS = ("drafts", "draft_tokens", "accepted", "acceptance_length", "per_position")
+# The type of each field `report` and the plot read: (kind, null allowed). Checked on write and on read, so a
+# hand-edited value is refused naming its field instead of failing inside a format string.
+_INT, _NUM, _STR = "an integer", "a number", "a string"
+_LATENCY_TYPES = {"requests": (_INT, False), "errors": (_INT, False), "output_tokens": (_INT, False),
+                  "duration_s": (_NUM, False), "tokens_per_s": (_NUM, False)}
+_PERCENTILE_TYPES = {"p50": (_NUM, True), "p90": (_NUM, True)}  # null: no request finished (or none had 2 tokens)
+_SPEC_TYPES = {"drafts": (_INT, True), "draft_tokens": (_INT, True), "accepted": (_INT, True),
+               "acceptance_length": (_NUM, True), "tokens_per_step": (_NUM, True)}
+_TOP_TYPES = {"engine": (_STR, False), "server": (_STR, False), "prompts": (_STR, False), "baseline": (_STR, True)}
 
 
 def lineage(draft: Dataset | None, draft_manifest: dict[str, Any] | None) -> list[dict[str, str]]:
@@ -60,12 +70,29 @@ def start(name: str, *, draft: str | None, params: dict[str, Any], root: Path | 
     return out, manifest
 
 
+def _is(value: Any, kind: str, nullable: bool) -> bool:
+    if value is None:
+        return nullable
+    if kind == _STR:
+        return isinstance(value, str)
+    ok = int if kind == _INT else (int, float)
+    return isinstance(value, ok) and not isinstance(value, bool)  # JSON true is no count
+
+
+def _check_types(block: dict[str, Any], types: dict[str, tuple[str, bool]], prefix: str) -> None:
+    for key, (kind, nullable) in types.items():
+        if key in block and not _is(block[key], kind, nullable):
+            raise DatasetError(f"{prefix}{key} is {block[key]!r}, not {kind}{' or null' if nullable else ''}")
+
+
 def _check_latency(block: Any, where: str) -> None:
     if not isinstance(block, dict) or any(k not in block for k in _LATENCY_KEYS):
         raise DatasetError(f"{where}: needs {', '.join(_LATENCY_KEYS)}")
+    _check_types(block, _LATENCY_TYPES, f"{where}.")
     for k in ("ttft_ms", "itl_ms"):
         if not isinstance(block[k], dict) or {"p50", "p90"} - set(block[k]):
             raise DatasetError(f"{where}.{k}: needs p50 and p90")
+        _check_types(block[k], _PERCENTILE_TYPES, f"{where}.{k}.")
 
 
 def _check_spec(block: Any, where: str) -> None:
@@ -73,6 +100,11 @@ def _check_spec(block: Any, where: str) -> None:
         return
     if not isinstance(block, dict) or any(k not in block for k in _SPEC_KEYS):
         raise DatasetError(f"{where}: needs {', '.join(_SPEC_KEYS)} (or null when the server has no spec metrics)")
+    _check_types(block, _SPEC_TYPES, f"{where}.")
+    per_position = block["per_position"]  # null for SGLang; an entry is null when no step carried a draft
+    if per_position is not None and (not isinstance(per_position, list)
+                                     or not all(_is(p, _NUM, True) for p in per_position)):
+        raise DatasetError(f"{where}.per_position is {per_position!r}, not a list of numbers (or null)")
     for key in ("acceptance_length", "tokens_per_step"):
         if block.get(key) is not None and block[key] < 1:
             raise DatasetError(f"{where}.{key} is {block[key]}; it counts the target's own token, so it is at "
@@ -80,13 +112,18 @@ def _check_spec(block: Any, where: str) -> None:
 
 
 def validate_results(results: Any, where: str = RESULTS) -> None:
-    """Refuse a results record that lacks what `report` and the plot read, naming the field."""
+    """Refuse a results record that lacks what `report` and the plot read, or holds it as another type,
+    naming the field."""
     if not isinstance(results, dict) or not isinstance(results.get("levels"), list) or not results["levels"]:
         raise DatasetError(f"{where}: needs a non-empty `levels` list")
+    if missing := [k for k in ("engine", "server", "prompts") if k not in results]:
+        raise DatasetError(f"{where}: needs {', '.join(missing)}")
+    _check_types(results, _TOP_TYPES, f"{where}: ")
     for i, level in enumerate(results["levels"]):
         at = f"{where}: levels[{i}]"
-        if not isinstance(level, dict) or not isinstance(level.get("concurrency"), int):
+        if not isinstance(level, dict) or not _is(level.get("concurrency"), _INT, False):
             raise DatasetError(f"{at}: needs an integer `concurrency`")
+        _check_types(level, {"speedup": (_NUM, True)}, f"{at}.")
         _check_latency(level.get("draft"), f"{at}.draft")
         if level.get("baseline") is not None:
             _check_latency(level["baseline"], f"{at}.baseline")
@@ -103,14 +140,18 @@ def write_results(out: Dataset, manifest: dict[str, Any], results: dict[str, Any
 
 
 def read_results(ref: str, root: Path | None = None) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
-    """(dataset, manifest, results) of a complete bench dataset; refuses partial or malformed ones."""
+    """(dataset, manifest, results) of a complete bench dataset; refuses partial, changed or malformed ones."""
     ds, manifest = open_input(ref, "bench", root=root)
     path = ds.path / RESULTS
+    check_intact(ds, manifest)  # a results.json missing, truncated or edited since finalize is not the record
     try:
         results = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise DatasetError(f"{ds.ref}: no {RESULTS}; rerun {REMAKE['bench']}") from None
-    except json.JSONDecodeError as e:
-        raise DatasetError(f"{path}: not valid JSON ({e}); rerun {REMAKE['bench']}") from None
-    validate_results(results, str(path))
+    except FileNotFoundError:  # a manifest that does not list it
+        raise DatasetError(f"{ds.ref}: no {RESULTS}; {remake_fix(ds)}") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise DatasetError(f"{path}: not valid JSON ({e}); {remake_fix(ds)}") from None
+    try:
+        validate_results(results, str(path))
+    except DatasetError as e:
+        raise DatasetError(f"{e.message}; {remake_fix(ds)}") from None
     return ds, manifest, results

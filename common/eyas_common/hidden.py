@@ -408,7 +408,7 @@ def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH
     listed = {f["name"]: f for f in manifest.get("files", []) if f["name"] not in gone}
     n = int(manifest.get("params", {}).get("num_shards", -1))
     names = [shard_name(j) for j in range(n)]
-    fix = f"check it with `eyas-data verify {ds.ref}`, then rerun {REMAKE['hidden']} (or restore the file)"
+    fix = f"check it with `eyas-data verify {ds.ref}`, then {_complete_fix(ds)}"
     unlisted = [j for j in names if j not in listed and j not in gone]
     if n < 1 or unlisted:
         raise DatasetError(f"{ds.ref}: the manifest lists {sum(j in listed or j in gone for j in names)} of its "
@@ -433,13 +433,38 @@ def check_files(ds: Dataset, manifest: dict[str, Any], *, hash_limit: int = HASH
     return [ds.path / j for j in names]
 
 
+def shard_problem(path: Path) -> str | None:
+    """Why the shard file at `path` cannot be read (safetensors' words: a truncated file's header promises
+    more bytes than there are), or None when it can."""
+    try:
+        safe_open(path, "pt")
+    except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+        return str(e)
+    return None
+
+
 def open_shard(ds: Dataset, path: Path) -> Any:
     """A shard's safetensors handle (tensors read lazily, through mmap), refused in one line when unreadable."""
     try:
         return safe_open(path, "pt")
     except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
-        raise DatasetError(f"{ds.ref}: {path.name} is not a readable safetensors file ({e}); "
-                           f"rerun {REMAKE['hidden']}") from None
+        raise DatasetError(f"{ds.ref}: {path} is not a readable safetensors file ({e}); "
+                           f"{_unreadable_fix(ds, path)}") from None
+
+
+def _complete_fix(ds: Dataset) -> str:
+    """The fix for a damaged file of a complete dataset: a rerun reports it done and changes nothing (its shards
+    are its record), so the file is restored, or the dataset deleted first."""
+    return (f"restore the file from a copy, or delete the dataset with `eyas-data rm {ds.ref} --yes` and rerun "
+            f"{REMAKE['hidden']}")
+
+
+def _unreadable_fix(ds: Dataset, path: Path) -> str:
+    """What makes an unreadable shard readable again: a rerun skips every shard file that is there, so in a
+    partial dataset that file goes first."""
+    if ds.manifest_path.exists() and ds.read_manifest().get("status") == "complete":
+        return _complete_fix(ds)
+    return f"delete that file (`rm {path}`) and rerun {REMAKE['hidden']} with the same options: it extracts it again"
 
 
 @dataclass(frozen=True)

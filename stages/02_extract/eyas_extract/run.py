@@ -3,8 +3,9 @@
 The files of a hidden dataset, and the shard layout, are owned by eyas_common.hidden.
 Work is cut into shards from the synth dataset alone (batching.py), and shard j belongs to worker
 j mod W, where W = (--shard parts) x (torchrun ranks). A rerun skips the shards already there and
-redoes the rest, so a killed run resumes by rerunning it. The last worker to finish (or
-`eyas-extract finalize NAME`) checks that every shard is there, then marks the dataset complete.
+redoes the rest (and a partial dataset's unreadable ones), so a killed run resumes by rerunning it.
+The last worker to finish (or `eyas-extract finalize NAME`) checks that every shard is there, then
+marks the dataset complete.
 """
 
 from __future__ import annotations
@@ -26,11 +27,12 @@ from tqdm import tqdm
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import CONFIG, read_checkpoint_size, read_text_config
-from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, check_schema, check_target,
-                                  describe_files, input_ref, open_input, open_output, temp_files, verify)
+from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, check_intact, check_schema,
+                                  check_target, describe_files, human_bytes, input_ref, open_input, open_output,
+                                  temp_files)
 from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
-                                mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, update_manifest,
-                                write_run)
+                                mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, shard_problem,
+                                update_manifest, write_run)
 from eyas_common.lock import WriterLock
 from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
@@ -38,7 +40,8 @@ from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_n
 
 from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
-from eyas_extract.follow import ConsumerDone, Follower, check_shards, list_shards, resume_terms, wait_for_budget
+from eyas_extract.follow import (ConsumerDone, Follower, check_shards, follow_started, list_shards, resume_terms,
+                                 wait_for_budget)
 from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, shard_work_note, tokens_note
 
@@ -339,6 +342,28 @@ def _cut(job: Job, *, follow: bool, poll_s: float) -> None:
         cfg.num_shards = len(job.plan)
     made = made_shards(job.ds)
     job.todo = [j for j in job.mine if shard_name(j) not in made]
+    if job.follower is None:
+        job.todo = sorted(job.todo + _unreadable(job, made))
+
+
+def _unreadable(job: Job, made: set[str]) -> list[int]:
+    """This worker's shards of a partial dataset whose file cannot be read (cut short by a full disk, a copy,
+    a hand): not written, so extracted again, the new file replacing the broken one only once it is whole.
+
+    Never in a complete dataset (its shards are its record), nor a shard the manifest lists (--follow lists
+    each final shard for a training run to take as it is): those are refused when read, naming the fix."""
+    ds = job.ds
+    manifest = ds.read_manifest() if ds.exists() else {}
+    if not manifest or manifest.get("status") == "complete" or follow_started(manifest):
+        return []
+    listed = {e.get("name") for e in manifest.get("files") or []}
+    redo = []
+    for j in (j for j in job.mine if shard_name(j) in made and shard_name(j) not in listed):
+        path = ds.path / shard_name(j)
+        if path.exists() and (why := shard_problem(path)):
+            log(f"{ds.ref}: {path} is not a readable safetensors file ({why}): extracting that shard again")
+            redo.append(j)
+    return redo
 
 
 def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Path | None, *, follow: bool
@@ -346,19 +371,12 @@ def _open_synth(synth: str, model: Path, trust_remote_code: bool, data_root: Pat
     """The input, refused when partial (unless followed), corrupted, unknown or made for another tokenizer."""
     sds, smanifest = open_input(synth, "synth", root=data_root, allow_partial=follow)
     if smanifest.get("status") == "complete":  # a partial one lists no files yet: checked once complete
-        _refuse_corrupted(sds)
+        check_intact(sds, smanifest)
     fingerprint = target_fingerprint(load_tokenizer(model, trust_remote_code), model)
     check_target(sds, smanifest, fingerprint)
     if shortfall := shortfall_note(smanifest):
         log(f"{sds.ref}: {shortfall}")
     return sds, smanifest, fingerprint
-
-
-def _refuse_corrupted(sds: Dataset) -> None:
-    problems = verify(sds)
-    if problems:
-        raise DatasetError(f"{sds.ref} is corrupted: {'; '.join(problems[:3])}. Check it with `eyas-data verify "
-                           f"{sds.ref}`, then remake it with {REMAKE['synth']}")
 
 
 def _disk_bill(job: Job) -> tuple[int, int, int]:
@@ -372,14 +390,14 @@ def _disk_bill(job: Job) -> tuple[int, int, int]:
         f"{'final so far' if job.follower else 'in all'}), {len(job.todo)} to extract from {job.sds.ref}: "
         f"layers {cfg.layers} of {cfg.num_layers}, H {cfg.hidden_size}, aux {cfg.aux_dtype}, teacher {cfg.teacher}"
         f"{f' K={cfg.topk}' if cfg.teacher == 'topk' else ''}, {cfg.backend} backend on {job.dev}, {cfg.dtype}")
-    log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {size / 1e9:.3f} GB with headers; "
-        f"{free / 1e9:.2f} GB free on the volume of {ds.path}")
+    log(f"disk bill: {bpt:,} B/token x {tokens:,} tokens = {human_bytes(size)} with headers; "
+        f"{human_bytes(free)} free on the volume of {ds.path}")
     return size, tokens, free
 
 
 def _refuse_full_disk(ds: Dataset, size: int, free: int) -> None:
     if size > free:
-        raise DatasetError(f"{ds.ref}: needs {size / 1e9:.2f} GB but {free / 1e9:.2f} GB are free: "
+        raise DatasetError(f"{ds.ref}: needs {human_bytes(size)} but {human_bytes(free)} are free: "
                            f"free space, point EYAS_DATA at a larger volume, or shrink the layout "
                            f"(--aux-dtype fp8 and --teacher topk store about half as much)")
 
@@ -453,7 +471,7 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
                 f"a shorter schedule). {ds.ref} stays partial, for {done.draft} alone; {job.sds.ref} keeps every "
                 f"sample (extract it under another --name for another run)")}
         stats = ex.finish()
-    _refuse_corrupted(job.sds)  # complete now: its files must be what its manifest says, as for any run
+    check_intact(job.sds, job.sds.read_manifest())  # complete now: its files must be its manifest's, as for any run
     job.cfg.num_shards = manifest["params"]["num_shards"] = len(job.plan)
     manifest["inputs"] = [input_ref(job.sds)]
     update_manifest(ds, manifest)

@@ -25,6 +25,7 @@ from eyas_serve.config import BenchConfig
 from eyas_serve.load import replay, served_model
 from eyas_serve.metrics import SpecCounters, detect_engine, read_sglang, read_vllm
 from eyas_serve.plot import plot_results
+from eyas_serve.report import no_speedup
 
 
 def say(msg: str) -> None:
@@ -80,13 +81,16 @@ def _say_level(level: dict[str, Any]) -> None:
     d, b, s = level["draft"], level["baseline"], level["spec"]
     msg = f"c={level['concurrency']}: draft {d['tokens_per_s']:.1f} tok/s"
     if b:
-        msg += f", baseline {b['tokens_per_s']:.1f} tok/s, speedup {level['speedup']:.2f}x"
+        speedup = no_speedup(level) or f"{level['speedup']:.2f}x"
+        msg += f", baseline {b['tokens_per_s']:.1f} tok/s, speedup {speedup}"
     if s and s["acceptance_length"] is not None:
         msg += f", acceptance length {s['acceptance_length']:.2f}"
     if s and s.get("tokens_per_step") is not None:
         msg += f", {s['tokens_per_step']:.2f} tokens per target step"
     if d["errors"]:
         msg += f"; {d['errors']} failed requests, e.g. {d['first_errors'][0]}"
+    if b and b["errors"]:
+        msg += f"; baseline: {b['errors']} failed requests, e.g. {b['first_errors'][0]}"
     say(msg)
 
 

@@ -9,6 +9,16 @@ def _f(v: Any, fmt: str = ".2f") -> str:
     return "-" if v is None else format(v, fmt)
 
 
+def no_speedup(level: dict[str, Any]) -> str | None:
+    """Why a level measured against a baseline has no speedup (None where it has one, or has no baseline):
+    a baseline that produced no tokens has no tokens/s to divide by."""
+    b = level.get("baseline")
+    if not b or level.get("speedup") is not None:
+        return None
+    failed = f"; {b['errors']} of its requests failed" if b["errors"] else ""
+    return f"n/a (baseline produced no tokens{failed})" if not b["tokens_per_s"] else "n/a"
+
+
 def table(results: dict[str, Any], manifest: dict[str, Any]) -> str:
     spec = results.get("spec")
     lines = [f"engine {results['engine']}  server {results['server']}  baseline {results.get('baseline') or '-'}",
@@ -27,12 +37,13 @@ def table(results: dict[str, Any], manifest: dict[str, Any]) -> str:
     for lv in results["levels"]:
         d, b, s = lv["draft"], lv.get("baseline"), lv.get("spec") or {}
         lines.append(f"{lv['concurrency']:>5} {d['tokens_per_s']:>12.1f} {_f(b and b['tokens_per_s'], '.1f'):>11} "
-                     f"{_f(lv.get('speedup')):>8} {_f(s.get('acceptance_length')):>8} "
+                     f"{'n/a' if no_speedup(lv) else _f(lv.get('speedup')):>8} {_f(s.get('acceptance_length')):>8} "
                      f"{_f(s.get('tokens_per_step')):>8} "
                      f"{_f(d['ttft_ms']['p50'], '.0f') + '/' + _f(d['ttft_ms']['p90'], '.0f'):>17} "
                      f"{_f(d['itl_ms']['p50'], '.1f') + '/' + _f(d['itl_ms']['p90'], '.1f'):>16} "
                      f"{d['requests']:>5} {d['errors']:>4}")
     lines.append("")
+    lines += [f"speedup at {lv['concurrency']} in flight: {why}" for lv in results["levels"] if (why := no_speedup(lv))]
     undrafted = ("(no --draft given; the server speculates without an eyas draft: --prompt-lookup, or a draft from "
                  "elsewhere)" if spec else "(no --draft given)")
     lines.append("lineage: " + (" <- ".join(i["ref"] for i in manifest.get("inputs", [])) or undrafted)
