@@ -31,6 +31,14 @@ log["after"] = resident_anon() // MiB
 log["again"] = heap.after_step()          # the gap is gone: no second trim
 log["kept_sum_ok"] = all(float(t.sum()) == t.numel() for t in kept)
 log["summary"] = heap.summary()
+# memory malloc does not own (an anonymous mmap, as pymalloc's arenas or a CUDA driver's): one trim finds it
+# cannot give it back, and no later step trims for it again
+import mmap
+other = mmap.mmap(-1, 400 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # private: RssAnon
+other.write(b"x" * (400 * MiB))
+trims = heap.trims
+log["not_mallocs"] = [heap.after_step() // MiB for _ in range(3)]
+log["not_mallocs_trims"] = heap.trims - trims
 print(json.dumps(log))
 """
 
@@ -45,3 +53,4 @@ def test_a_fragmented_heap_is_given_back_once_and_live_tensors_are_untouched():
     assert log["after"] < log["before"] - 300, log
     assert log["kept_sum_ok"]
     assert log["summary"].startswith("gave freed host memory back to the system once")
+    assert log["not_mallocs"][0] < 50 and log["not_mallocs"][1:] == [0, 0] and log["not_mallocs_trims"] == 1, log

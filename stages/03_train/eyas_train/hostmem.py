@@ -7,9 +7,12 @@ once per step we compare what is resident with what is allocated and trim when t
 
     resident  = RssAnon                      (/proc/self/status)
     allocated = uordblks + hblkhd            (mallinfo2: heap blocks in use + mmapped blocks)
-    trim when resident - allocated > max(MIN_GAP, allocated / 2)
+    floor     = resident - allocated right after the last trim (0 before the first)
+    trim when resident - allocated - floor > max(MIN_GAP, allocated / 2)
 
-which holds a run near max(allocated + MIN_GAP, 1.5 x allocated). A check costs ~0.1 ms; a trim of ~3 GB
+which holds a run near floor + max(allocated + MIN_GAP, 1.5 x allocated). The floor is the anonymous memory
+malloc does not own (pymalloc's arenas, a CUDA driver's host mappings): a trim cannot give it back, so it must
+not set one off at every step. A check costs ~0.1 ms; a trim of ~3 GB
 ~0.2 s. Capping glibc's mmap threshold instead (every large block returned as it is freed) cost +16% CPU
 time in page faults on the same run: trimming when the gap is large pays those faults far more rarely.
 It changes no arithmetic.
@@ -59,6 +62,7 @@ class HeapTrimmer:
     def __init__(self, min_gap: int = MIN_GAP):
         self.libc = _glibc()
         self.min_gap = min_gap
+        self.floor = 0      # bytes of RssAnon that are not malloc's, as the last trim left them
         self.trims = 0
         self.released = 0   # bytes of RssAnon the trims gave back
         self.seconds = 0.0  # time spent trimming
@@ -73,12 +77,14 @@ class HeapTrimmer:
         if self.libc is None:
             return 0
         resident, allocated = resident_anon(), self.allocated()
-        if resident - allocated <= max(self.min_gap, allocated // 2):
+        if resident - allocated - self.floor <= max(self.min_gap, allocated // 2):
             return 0
         t0 = time.perf_counter()
         self.libc.malloc_trim(0)
         self.seconds += time.perf_counter() - t0
-        released = max(0, resident - resident_anon())
+        after = resident_anon()
+        self.floor = max(0, after - self.allocated())
+        released = max(0, resident - after)
         self.trims += 1
         self.released += released
         return released
