@@ -255,6 +255,43 @@ def test_faulty_server_run_stays_partial_with_failures_listed(tok, fixture_targe
     assert not (ds.path / "failures.jsonl").exists()
 
 
+def test_a_server_rendering_prompts_otherwise_is_refused_even_with_empty_answers(tok, fixture_target, tmp_path):
+    """The prompt ids a server sends are checked whether or not it sends completion ids: an empty answer
+    (no token ids) from a server on another template made a complete dataset of empty answers."""
+    from eyas_testing.stub import vllm_body
+
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 4, seed=5)
+    with start_stub(answer=lambda payload: vllm_body("", [1, 2, 3], [])) as stub:
+        with pytest.raises(DatasetError, match=r"synth/other stays partial.*prompt_token_ids differ from the target"):
+            synth(prompts=prompts, name="other", model=fixture_target, servers=[stub.url], n=4, concurrency=4,
+                  served_model="fixture", seed=0, data_root=tmp_path, progress=False)
+    assert Dataset.parse("other", "synth", tmp_path).read_manifest()["status"] == "partial"
+
+
+def test_a_server_that_answers_v1_models_with_an_error_is_named_in_one_line():
+    from eyas_synth.run import server_info
+
+    with start_stub() as stub:
+        with pytest.raises(DatasetError) as e:
+            server_info(stub.url + "/not-vllm")  # the stub answers 404 there, with its JSON error
+    assert "/not-vllm/v1/models answered HTTP 404 (" in e.value.message and "\n" not in e.value.message
+    assert "no route GET /not-vllm/v1/models" in e.value.message and "check its log" in e.value.message
+
+
+def test_a_replacement_server_with_another_context_length_resumes_the_run(tok, fixture_target, tmp_path):
+    """max_model_len comes from the server, not from an option: a run resumed against another server with
+    another context length goes on (it was refused with "resume it with the same options", which none sets)."""
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 6, seed=6)
+    go = dict(prompts=prompts, name="moved", model=fixture_target, concurrency=2, served_model="fixture", seed=0,
+              data_root=tmp_path, progress=False)
+    with start_stub(answer=rendering_answer(tok), max_model_len=2048) as first:
+        synth(servers=[first.url], n=3, **go)
+    with start_stub(answer=rendering_answer(tok)) as second:
+        stats = synth(servers=[second.url], n=6, **go)
+    m = Dataset.parse("moved", "synth", tmp_path).read_manifest()
+    assert m["status"] == "complete" and stats["samples"] == 6 and m["params"]["max_model_len"] is None
+
+
 def test_resume_refuses_changed_params_and_drops_truncated_on_request(tok, fixture_target, tmp_path):
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 14, seed=3)
     with start_stub(answer=rendering_answer(tok)) as stub:

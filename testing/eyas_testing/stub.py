@@ -112,8 +112,9 @@ class Stub:
     """The server state shared by its connections: answer, faults, RNG and counters."""
 
     def __init__(self, answer: Answer = tiny_answer, faults: Faults | None = None,
-                 latency_s: float = 0.0) -> None:
+                 latency_s: float = 0.0, max_model_len: int | None = None) -> None:
         self.answer = answer
+        self.max_model_len = max_model_len  # reported by /v1/models as vLLM does; None: not reported
         self.faults = faults or Faults()
         self.latency_s = latency_s
         self.counts: Counter[str] = Counter()
@@ -152,7 +153,10 @@ class Stub:
         if method == "GET" and path == "/health":
             return "health", _response(200, b"")
         if method == "GET" and path == "/v1/models":
-            models = {"object": "list", "data": [{"id": MODEL, "object": "model", "owned_by": "eyas"}]}
+            entry = {"id": MODEL, "object": "model", "owned_by": "eyas"}
+            if self.max_model_len is not None:
+                entry["max_model_len"] = self.max_model_len
+            models = {"object": "list", "data": [entry]}
             return "models", _response(200, json.dumps(models).encode())
         if method == "GET" and path == "/stats":
             return "", _response(200, json.dumps(self.counts).encode())
@@ -293,9 +297,9 @@ class StubThread:
 
 
 def start_stub(port: int = 0, *, answer: Answer = tiny_answer, faults: Faults | None = None,
-               latency_s: float = 0.0, host: str = "127.0.0.1") -> StubThread:
+               latency_s: float = 0.0, max_model_len: int | None = None, host: str = "127.0.0.1") -> StubThread:
     """Serve in this process (a thread); `.port`, `.url`, `.counts()`, `.stop()`."""
-    return StubThread(Stub(answer, faults, latency_s), host, port)
+    return StubThread(Stub(answer, faults, latency_s, max_model_len), host, port)
 
 
 class StubProcess:

@@ -32,9 +32,10 @@ from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATE
 from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
-# param defines what a sample is and must match, including any added later.
+# param defines what a sample is and must match, including any added later. max_model_len is the server's,
+# not an option: a replacement server may have another, and each sample records where it was cut.
 MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency", "timeout_s", "max_attempts",
-              "allow_missing", "allow_rejected", "breaker_s")
+              "allow_missing", "allow_rejected", "breaker_s", "max_model_len")
 # When this many first answers all failed the same way (and none worked), the run stops at once.
 FIRST_FAILURES = 8
 
@@ -118,11 +119,13 @@ def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tupl
     finish = choice.get("finish_reason") or "stop"
     server_prompt, server_completion = body.get("prompt_token_ids"), choice.get("token_ids")
     problems: list[str] = []
+    # checked whenever the server sends them, an empty answer included: it is the one sign of a server that
+    # renders prompts with another tokenizer or template than --model
+    if isinstance(server_prompt, list) and list(server_prompt) != prompt_ids:
+        problems.append("the server's prompt_token_ids differ from the target tokenizer's rendering: "
+                        "the server runs another tokenizer or chat template than --model")
     if isinstance(server_prompt, list) and isinstance(server_completion, list) and server_completion:
         source, completion = "server", list(server_completion)
-        if list(server_prompt) != prompt_ids:
-            problems.append("the server's prompt_token_ids differ from the target tokenizer's rendering: "
-                            "the server runs another tokenizer or chat template than --model")
     else:
         source = "rendered"
         completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
@@ -175,13 +178,20 @@ def server_info(server: str) -> tuple[str, int | None]:
     base = server.rstrip("/").removesuffix("/v1")
     try:
         r = httpx.get(f"{base}/v1/models", timeout=30, trust_env=False)
-        r.raise_for_status()
+    except httpx.HTTPError as e:
+        raise DatasetError(f"cannot read the served model from {base}/v1/models ({type(e).__name__}: {e}); is the "
+                           f"server up at that --server URL?") from None
+    if r.status_code != 200:  # it answered: say what, in one line (httpx's own message spans two)
+        body = " ".join(r.text.split())[:200]
+        raise DatasetError(f"{base}/v1/models answered HTTP {r.status_code} ({body or 'no body'}); that --server "
+                           f"must be an OpenAI-compatible server (vLLM, SGLang) that is ready: check its log")
+    try:
         entry = r.json()["data"][0]
         length = entry.get("max_model_len")
         return entry["id"], int(length) if isinstance(length, int) and length > 0 else None
-    except (httpx.HTTPError, KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
-        raise DatasetError(f"cannot read the served model from {base}/v1/models ({e}); is the server up at "
-                           f"that --server URL?") from None
+    except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
+        raise DatasetError(f"{base}/v1/models did not list a model ({type(e).__name__}: {e}); that --server must "
+                           f"be an OpenAI-compatible server (vLLM, SGLang)") from None
 
 
 def _render_prompts(conversations: list[list[dict]], todo: list[int], tokenizer, cfg: SynthConfig
