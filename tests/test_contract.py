@@ -357,3 +357,11 @@ def test_a_writer_that_opened_the_lock_just_before_rm_deleted_it_locks_the_new_o
     with WriterLock(ds, stage="t"):
         monkeypatch.undo()
         assert contract.lock_file(ds).exists() and holder(ds)["pid"] == os.getpid()
+
+
+@pytest.mark.parametrize("name", ["sp ace", "x;echo", "-flag", ".hidden", "a'b", "ü"])
+def test_a_dataset_name_is_a_plain_word(name, tmp_path):
+    """A name becomes a folder, a make NAME= and a word in printed commands: nothing a shell would split or run."""
+    with pytest.raises(DatasetError, match=r"bad dataset name .*letters, digits and \. _ \+ -"):
+        Dataset.parse(name, "synth", tmp_path)
+    assert Dataset.parse("synth_10k.v2-b+1", "synth", tmp_path).name == "synth_10k.v2-b+1"

@@ -19,6 +19,7 @@ import io
 import json
 import os
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -36,6 +37,8 @@ from eyas_common import __version__
 # Known kinds and the major schema version this code reads and writes.
 SCHEMAS: dict[str, int] = {"synth": 1, "hidden": 1, "drafts": 1, "bench": 1}
 MANIFEST = "manifest.json"
+# A dataset's name: a folder, a make NAME= and a word in the commands eyas prints, so nothing a shell reads.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._+-]*")
 # How to (re)make each kind: named in every refusal so the user knows what to run.
 REMAKE = {
     "synth": "eyas-synth run (make synth)",
@@ -80,6 +83,9 @@ class Dataset:
             raise DatasetError(f"bad dataset reference {ref!r}: expected KIND/NAME, e.g. synth/synth_10k")
         if parts[0] not in SCHEMAS:
             raise DatasetError(f"unknown dataset kind {parts[0]!r} in {ref!r}; known: {', '.join(SCHEMAS)}")
+        if not NAME_PATTERN.fullmatch(parts[1]):
+            raise DatasetError(f"bad dataset name {parts[1]!r}: use letters, digits and . _ + - (starting with a letter "
+                               f"or digit), e.g. synth_10k: a name is a folder, a make NAME= and a shell word")
         if kind is not None and parts[0] != kind:
             raise DatasetError(f"{ref!r} is a {parts[0]} dataset, but a {kind} dataset is needed here")
         return cls(root.absolute(), parts[0], parts[1])
