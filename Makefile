@@ -230,6 +230,9 @@ KNOBS        = $(call knobs_in,$(SELF)) $(filter-out $(call knobs_in,$(SELF)),$(
 # $(call given_origin,KNOB): "command line" or "environment" when the knob was given there, else empty
 given_origin = $(patsubst environment%,environment,$(filter command line environment%,$(origin $(1))))
 knob_origin  = $(or $(call given_origin,$(1)),$(if $(filter $(1),$(SETTINGS_VARS)),$(SETTINGS),default))
+# a variable given on the command line that is no knob (a typo: CONCURENCY=4) is named, not silently ignored
+GIVEN_UNKNOWN := $(filter-out $(KNOBS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
+$(if $(GIVEN_UNKNOWN),$(warning $(GIVEN_UNKNOWN): not a knob of this Makefile, ignored (`make settings` lists them)))
 
 # --- the targets: `target: prerequisites ## help`, continued by `##   ...` lines --------------------------
 help: ## list the targets and their knobs

@@ -74,6 +74,14 @@ def test_prompt_lookup_knob(value, flags):
     assert shlex.split(line).count("--prompt-lookup") == flags, line
 
 
+def test_a_mistyped_knob_is_named_and_a_real_one_is_not():
+    r = make("-n", "synth", MODEL="/models/K", NAME="s", PROMPTS="p.jsonl", CONCURENCY="4")
+    assert r.returncode == 0 and "CONCURENCY: not a knob of this Makefile, ignored" in r.stderr, r.stderr
+    assert "--concurrency 128" in r.stdout  # the default: the typo changed nothing
+    r = make("-n", "synth", MODEL="/models/K", NAME="s", PROMPTS="p.jsonl", CONCURRENCY="4")
+    assert "not a knob" not in r.stderr and "--concurrency 4" in r.stdout, r.stderr
+
+
 @pytest.mark.parametrize("stage, knobs, flag", [("extract", {"SYNTH": "synth/s"}, ["--disk-budget", "50G"]),
                                                 ("train", {"HIDDEN": "hidden/s"}, ["--consume"])])
 def test_disk_budget_knob(stage, knobs, flag):
