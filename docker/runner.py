@@ -80,10 +80,16 @@ def docker_run(env: dict[str, str], call: Call, entrypoint: str, args: str) -> s
                  f"--entrypoint {entrypoint}" if entrypoint else "", call.image, args)
 
 
+# After SSH_ARGS, where ssh takes the first value of an option, so that SSH_ARGS='-o BatchMode=no' wins: an
+# unreachable host or a password prompt fails in seconds with ssh's one line instead of hanging the stage.
+SSH_DEFAULTS = "-o BatchMode=yes -o ConnectTimeout=15"
+
+
 def on_host(env: dict[str, str], host: str, command: str) -> str:
     """COMMAND in a shell on HOST=user@name[:port] over ssh, quoted once."""
     dest, _, port = host.partition(":")
-    return words(knob(env, "SSH", "ssh"), f"-p {port}" if port else "", knob(env, "SSH_ARGS"), dest, quote(command))
+    return words(knob(env, "SSH", "ssh"), f"-p {port}" if port else "", knob(env, "SSH_ARGS"), SSH_DEFAULTS, dest,
+                 quote(command))
 
 
 def host_name(host: str) -> str:

@@ -14,6 +14,8 @@ import pytest
 
 from helpers import REPO, dry_lines, make, remote
 
+SSH_DEFAULTS = "-o BatchMode=yes -o ConnectTimeout=15"  # after SSH_ARGS on every ssh line: fail fast, never prompt
+
 HADOLINT = Path(sys.executable).parent / "hadolint"
 DOCKERFILES = sorted([REPO / "docker/Dockerfile", *REPO.glob("stages/*/Dockerfile")])
 GPU_RUN = ("docker run --rm --init --network=host --ipc=host --ulimit memlock=-1 --ulimit stack=67108864 "
@@ -25,7 +27,7 @@ def test_train_over_ssh_on_several_gpus_is_one_exact_command():
                         NPROC="4", GPUS="4", NCCL_P2P_DISABLE="1", SSH_ARGS="-i /keys/gpu")
     image = "reg.example:5000/team/eyas-train:abc123"
     assert remote(line) == [
-        "ssh", "-p", "2222", "-i", "/keys/gpu", "ubuntu@gpu-box-2",
+        "ssh", "-p", "2222", "-i", "/keys/gpu", *SSH_DEFAULTS.split(), "ubuntu@gpu-box-2",
         f"docker pull {image} && {GPU_RUN} --entrypoint torchrun {image} --standalone --nproc-per-node 4 "
         "-m eyas_train.cli run --hidden hidden/h --model /models/K --name d"]
 
@@ -49,10 +51,10 @@ def test_synth_over_ssh_runs_then_validates_without_gpus():
            "--ulimit stack=67108864 -v /data/eagle3:/data -e EYAS_DATA=/data "
            "-v /models/K:/models/K:ro -v /data/prompts.jsonl:/data/prompts.jsonl:ro " + image)
     assert [remote(x) for x in lines] == [
-        ["ssh", "me@inference-1", f"{run} run --prompts /data/prompts.jsonl --name synth_10k --model /models/K "
-         "--server http://a:8000 --server http://b:8000 --n 10000 --max-tokens 4096 --temperature 0.6 "
-         "--concurrency 128"],
-        ["ssh", "me@inference-1", f"{run} validate synth_10k"],
+        ["ssh", *SSH_DEFAULTS.split(), "me@inference-1",
+         f"{run} run --prompts /data/prompts.jsonl --name synth_10k --model /models/K --server http://a:8000 "
+         "--server http://b:8000 --n 10000 --max-tokens 4096 --temperature 0.6 --concurrency 128"],
+        ["ssh", *SSH_DEFAULTS.split(), "me@inference-1", f"{run} validate synth_10k"],
     ]
 
 
@@ -66,7 +68,9 @@ def test_training_across_hosts_starts_one_torchrun_node_per_host():
                 f"-e EYAS_DATA=/data -v /models/K:/models/K:ro --entrypoint torchrun {image} --nnodes 2 "
                 "--nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint gpu-a:29500 --rdzv-id eyas-d "
                 f"--local-addr {name} -m eyas_train.cli run --hidden hidden/h --model /models/K --name d")
-    assert f"ssh u@gpu-a '{node('gpu-a')}' & " in line and f"ssh -p 2200 u@gpu-b '{node('gpu-b')}' & " in line
+    opts = SSH_DEFAULTS
+    assert f"ssh {opts} u@gpu-a '{node('gpu-a')}' & " in line
+    assert f"ssh -p 2200 {opts} u@gpu-b '{node('gpu-b')}' & " in line
     assert line.rstrip().endswith("for p in $pids; do wait $p || rc=1; done; exit $rc")
 
 
@@ -140,7 +144,7 @@ def test_settings_file_supplies_the_deployment_and_make_settings_says_where(tmp_
     knobs = {"SETTINGS": str(settings), "REGISTRY": None}
     r = make("-n", "synth", N="10000", env=env, **knobs)
     assert r.returncode == 0, r.stderr
-    assert "ssh me@inference-1 'docker pull reg.example:5000/team/eyas-synth:abc123 && " in r.stdout
+    assert f"ssh {SSH_DEFAULTS} me@inference-1 'docker pull reg.example:5000/team/eyas-synth:abc123 && " in r.stdout
     assert "--server http://gpu1:8000 --n 10000" in r.stdout and "--gpus" not in r.stdout  # synth needs no GPU
     r = make("settings", N="10000", env=env, **knobs)
     rows = {line.split()[0]: line for line in r.stdout.splitlines() if line.strip()}

@@ -69,8 +69,9 @@ def test_ssh_pulls_then_runs_and_the_remote_shell_gets_the_words_back():
     args = "run --name 'it'\"'\"'s' --note \"$HOME\""  # quotes and a $ the remote shell must see unchanged
     out = line({"HOST": "me@gpu-1:2222", "SSH_ARGS": "-i /k"}, args=args, module="")
     words = shlex.split(out)
-    assert words[:5] == ["ssh", "-p", "2222", "-i", "/k"] and words[5] == "me@gpu-1" and len(words) == 7
-    remote = words[6]
+    assert words[:9] == ["ssh", "-p", "2222", "-i", "/k", "-o", "BatchMode=yes", "-o", "ConnectTimeout=15"]
+    assert words[9] == "me@gpu-1" and len(words) == 11
+    remote = words[10]
     assert remote.startswith(f"docker pull {IMAGE} && docker run ") and remote.endswith(f"{IMAGE} {args}")
 
 
