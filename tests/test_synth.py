@@ -278,6 +278,20 @@ def test_a_server_that_answers_v1_models_with_an_error_is_named_in_one_line():
     assert "no route GET /not-vllm/v1/models" in e.value.message and "check its log" in e.value.message
 
 
+def test_a_silent_server_is_reported_long_before_the_timeout(tok, fixture_target, tmp_path, capfd):
+    """Requests that hang are not silent for the whole --timeout: the run says how long nothing came, and
+    that the server still answers /v1/models (busy, not dead), at a quarter of --timeout here."""
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 2, seed=6)
+    with start_stub(answer=rendering_answer(tok), faults=Faults(rates={"hang": 1.0})) as stub:
+        with pytest.raises(DatasetError, match="the first 2 requests all failed alike.*no answer within 2 s"):
+            synth(prompts=prompts, name="mute", model=fixture_target, servers=[stub.url], n=2, concurrency=2,
+                  timeout_s=2, max_attempts=1, served_model="fixture", seed=0, data_root=tmp_path, progress=False)
+    err = capfd.readouterr().err
+    assert re.search(r"\[synth\] no answer for \d s with 2 requests in flight \(each waits up to --timeout 2 s\): "
+                     + re.escape(f"{stub.url} answers GET /v1/models, so it is up and working on 2. Ctrl-C keeps "
+                                 f"every answer so far; rerunning the command resumes"), err), err
+
+
 def test_a_replacement_server_with_another_context_length_resumes_the_run(tok, fixture_target, tmp_path):
     """max_model_len comes from the server, not from an option: a run resumed against another server with
     another context length goes on (it was refused with "resume it with the same options", which none sets)."""

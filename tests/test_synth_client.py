@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import asyncio
+import re
+import socket
 import time
 
-from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy
+from eyas_synth.client import ChatPool, RequestFailed, RetryPolicy, report_silence
 from eyas_testing.stub import RETRYABLE_FAULTS, Faults, start_stub
 
 FAST = RetryPolicy(max_attempts=8, backoff_s=0.01, max_backoff_s=0.1)
@@ -110,3 +112,26 @@ def test_retry_after_is_honoured_and_attempts_are_bounded():
         assert stub.counts() == {"429": 3} and err.attempts == 3 and "429" in err.last_error
     refused = asyncio.run(main("http://127.0.0.1:9"))   # nothing listens on the discard port
     assert refused.attempts == 3 and "ConnectError" in refused.last_error
+
+
+def test_silence_is_reported_with_which_server_still_answers():
+    """A stub whose chats all hang still answers /v1/models (busy); a socket that accepts and never
+    answers does not (hung). Lines come at the first silence, then at twice it, not at every tick."""
+    lines: list[str] = []
+
+    async def main(urls: list[str]) -> None:
+        async with ChatPool(urls, concurrency=4, timeout_s=3.0, retry=RetryPolicy(max_attempts=1)) as pool:
+            watch = asyncio.create_task(report_silence(pool, lines.append, first_s=0.4))
+            await _chat_all(pool, 4, 4)   # all time out after 3 s
+            watch.cancel()
+
+    with start_stub(faults=Faults(rates={"hang": 1.0})) as stub, socket.socket() as mute:
+        mute.bind(("127.0.0.1", 0))
+        mute.listen(8)   # the kernel completes the handshake; nothing ever reads or answers
+        hung = f"http://127.0.0.1:{mute.getsockname()[1]}"
+        asyncio.run(main([stub.url, hung]))
+    assert 1 <= len(lines) <= 3, lines   # at ~0.4 s, then after 0.8 s (and maybe 1.6 s): doubling
+    first = lines[0]
+    assert re.match(r"no answer for \d s with 4 requests in flight \(each waits up to --timeout 3 s\): ", first), first
+    assert f"{stub.url} answers GET /v1/models, so it is up and working on 2" in first
+    assert f"{hung} does not answer GET /v1/models either (ReadTimeout): it hangs" in first

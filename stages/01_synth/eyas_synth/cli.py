@@ -44,7 +44,8 @@ def main() -> None:
               help="Length-truncated answers go to truncated.jsonl (drop) or stay in samples.jsonl (keep); counted either way.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=128, help="Requests in flight, all servers together (>= 1).")
 @click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
-              help="Per-request timeout, seconds (> 0).")
+              help="Per-request timeout, seconds (> 0). After 60 s (or a quarter of this, if less) with no "
+                   "answer at all, the run says so and whether each server still answers.")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=8,
               help="Tries per request (backoff with jitter) before it is recorded as failed (>= 1).")
 @click.option("--allow-missing", default="0",

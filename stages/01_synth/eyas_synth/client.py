@@ -22,6 +22,7 @@ import email.utils
 import json
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -153,12 +154,14 @@ class ChatPool:
         self.breaker_s = breaker_s
         self._failing_since: float | None = None
         self._outage_first: Failure | None = None   # first failed attempt since the last success
+        self._last_heard = 0.0   # loop time of the last response or failed attempt (or of the start)
 
     async def __aenter__(self) -> ChatPool:
         self._ssl = httpx.create_ssl_context()
         # The caller bounds its requests in flight; this is the backstop for one that does not, so that
         # lanes (sockets) per server never exceed `concurrency`. Uncontended, it costs no await.
         self._slots = asyncio.Semaphore(self.concurrency)
+        self._last_heard = asyncio.get_running_loop().time()
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -223,6 +226,26 @@ class ChatPool:
             return data, server.base
         raise AssertionError("unreachable: the last attempt returns or raises")
 
+    def quiet(self) -> tuple[float, int]:
+        """(seconds since the last response or failed attempt, requests in flight now)."""
+        return asyncio.get_running_loop().time() - self._last_heard, sum(s.in_flight for s in self._servers)
+
+    async def probe(self, timeout_s: float) -> list[str]:
+        """Whether each server still answers GET /v1/models within timeout_s, in words: one busy with long
+        completions does, one that hangs does not."""
+        async with httpx.AsyncClient(timeout=timeout_s, headers=self._headers, verify=self._ssl,
+                                     trust_env=False) as http:
+            async def one(s: _Server) -> str:
+                try:
+                    r = await http.get(f"{s.base}/v1/models")
+                except httpx.HTTPError as e:
+                    return (f"{s.base} does not answer GET /v1/models either ({type(e).__name__}): it hangs or "
+                            f"is overloaded, check its log")
+                if r.status_code != 200:
+                    return f"{s.base} answers GET /v1/models with HTTP {r.status_code}: check its log"
+                return f"{s.base} answers GET /v1/models, so it is up and working on {s.in_flight}"
+            return list(await asyncio.gather(*(one(s) for s in self._servers)))
+
     def _down_for(self) -> float:
         """Seconds since the first failed attempt with no success after it (0 while things work)."""
         now = asyncio.get_running_loop().time()
@@ -254,6 +277,7 @@ class ChatPool:
         finally:
             server.in_flight -= 1
             server.free.append(lane)
+            self._last_heard = asyncio.get_running_loop().time()
         status = r.status_code
         if status == 200:
             try:
@@ -269,3 +293,21 @@ class ChatPool:
         if status >= 500:
             raise _Failure("http_5xx", text, retry_after=_retry_after(r) if status == 503 else 0.0)
         raise _Failure("http_4xx", text, retryable=False)
+
+
+async def report_silence(pool: ChatPool, say: Callable[[str], None], first_s: float) -> None:
+    """Runs beside the requests until cancelled: when nothing has been heard for first_s seconds (then
+    2x, 4x, ... of it) with requests in flight, `say`s how long, and whether each server still answers
+    /v1/models. A frozen progress bar cannot tell a server busy with long completions from one that
+    hangs, and each request may wait the whole --timeout before it fails."""
+    next_s, tick = first_s, min(5.0, first_s / 4)
+    while True:
+        await asyncio.sleep(tick)
+        quiet, in_flight = pool.quiet()
+        if quiet < first_s:
+            next_s = first_s
+        elif quiet >= next_s and in_flight:
+            servers = "; ".join(await pool.probe(timeout_s=min(10.0, first_s)))
+            say(f"no answer for {quiet:.0f} s with {in_flight} requests in flight (each waits up to "
+                f"--timeout {pool.timeout_s:g} s): {servers}")
+            next_s *= 2

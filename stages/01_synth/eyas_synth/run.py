@@ -29,7 +29,7 @@ from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
                                  new_sample, parse_budget, validate_sample)
-from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown
+from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown, report_silence
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
 # param defines what a sample is and must match, including any added later. max_model_len is the server's,
@@ -38,6 +38,9 @@ MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency",
               "allow_missing", "allow_rejected", "breaker_s", "max_model_len")
 # When this many first answers all failed the same way (and none worked), the run stops at once.
 FIRST_FAILURES = 8
+# Seconds without any answer (or a quarter of --timeout, if less) before the run says so and asks the
+# servers whether they are still up; then again at twice the silence, four times, ...
+SILENCE_S = 60.0
 
 
 @dataclass
@@ -290,13 +293,18 @@ async def _produce(st: RunState, bar: tqdm) -> None:
                     bar.set_postfix_str(_postfix(c, pool, bar), refresh=False)
 
             workers = [asyncio.create_task(worker()) for _ in range(min(cfg.concurrency, len(st.todo)))]
+            watch = asyncio.create_task(report_silence(pool, _say_silence, min(SILENCE_S, cfg.timeout_s / 4)))
             try:
                 await asyncio.gather(*workers)
             finally:
-                for w in workers:
+                for w in (*workers, watch):
                     w.cancel()
-                await asyncio.gather(*workers, return_exceptions=True)
+                await asyncio.gather(*workers, watch, return_exceptions=True)
                 st.pool_stats = dict(pool.stats)
+
+
+def _say_silence(line: str) -> None:
+    tqdm.write(f"[synth] {line}. Ctrl-C keeps every answer so far; rerunning the command resumes", file=sys.stderr)
 
 
 def _produce_until_stopped(st: RunState, bar: tqdm) -> None:
