@@ -177,6 +177,11 @@ STAGE_BASE_serve ?= $(if $(filter cu128,$(VARIANT)),vllm/vllm-openai:v$(VLLM_VER
 STAGE_BUILD_ARGS_extract = --build-arg WITH_VLLM=$(EXTRACT_WITH_VLLM) --build-arg VLLM_PIN=vllm==$(VLLM_VERSION)
 
 # --- refusals before anything runs -------------------------------------------------------------------------
+# make splits values at spaces (a path with one would become two arguments, or two mounts)
+ONE_WORD_KNOBS := MODEL PROMPTS NAME SYNTH HIDDEN DRAFT DATASET
+SPACED_KNOB := $(firstword $(foreach k,$(ONE_WORD_KNOBS),$(if $(word 2,$($(k))),$(k))))
+$(if $(SPACED_KNOB),$(error $(SPACED_KNOB)='$($(SPACED_KNOB))' holds a space, which make cannot pass on as one \
+  argument: use a path without spaces (a symlink to it will do)))
 $(if $(filter-out local docker,$(RUNNER)),\
   $(error RUNNER=$(RUNNER): use RUNNER=local (.venv), RUNNER=docker (this machine) or HOST=user@name[:port]))
 $(if $(filter-out cu128 cpu,$(VARIANT)),$(error VARIANT=$(VARIANT): use VARIANT=cu128 or VARIANT=cpu))
@@ -195,6 +200,13 @@ LOCAL_DEPS = $(if $(filter local,$(MODE)),install)
 # a path as the container sees it (mounted at the same place); local runs keep the path as given
 path_arg = $(if $(filter local,$(MODE)),$(1),$(abspath $(1)))
 shq      = '$(subst ','\'',$(1))'
+# $(call word_arg,X): X as one shell word of a stage's command line, quoted only when it holds a character a
+# shell reads as its own (SHELL_SAFE are the others); $(call path_word,P): path_arg's path so
+SHELL_SAFE := a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z \
+  0 1 2 3 4 5 6 7 8 9 / . _ + - = : , @ %
+drop_chars = $(if $(2),$(call drop_chars,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
+word_arg   = $(if $(call drop_chars,$(1),$(SHELL_SAFE)),$(call shq,$(1)),$(1))
+path_word  = $(call word_arg,$(call path_arg,$(1)))
 comma   := ,
 # stages that get GPUS (synth and clean-remote run where no GPU runtime may be installed)
 GPU_STAGES ?= extract train serve
@@ -208,7 +220,8 @@ RUNNER_KNOBS = RUNNER HOST HOSTS REGISTRY DOCKER SSH SSH_ARGS DATA GPUS GPU_STAG
 RUNNER_CALL = $(foreach k,$(RUNNER_KNOBS),$(k)=$(call shq,$($(k)))) $(PYTHON) docker/runner.py
 # $(call run_stage,STAGE,LOCAL COMMAND,ENTRYPOINT,ARGS[,TORCHRUN MODULE]): one stage command where MODE says
 run_stage = $(call runner_line,$(shell $(RUNNER_CALL) --stage $(1) --image $(call image,$(1)) --local $(call shq,$(2)) \
-  --entrypoint '$(3)' --args $(call shq,$(4)) $(if $(5),--module $(5)) $(foreach p,$(MOUNT_PATHS),--mount $(p))))
+  --entrypoint '$(3)' --args $(call shq,$(4)) $(if $(5),--module $(5)) \
+  $(foreach p,$(MOUNT_PATHS),--mount $(call word_arg,$(p)))))
 # the runner's refusal (`error: MESSAGE`) stops make in one line, under -n too
 runner_line = $(if $(filter error:,$(firstword $(1))),$(error $(wordlist 2,$(words $(1)),$(1))),$(1))
 
@@ -237,8 +250,10 @@ $(if $(GIVEN_UNKNOWN),$(warning $(GIVEN_UNKNOWN): not a knob of this Makefile, i
 # --- the targets: `target: prerequisites ## help`, continued by `##   ...` lines --------------------------
 help: ## list the targets and their knobs
 	@echo "usage: make TARGET [KNOB=value ...]   (knobs also come from $(SETTINGS); see settings.example.mk)"
-	@awk '/^[a-zA-Z_%-]+:.*## / { split($$0, a, /:.*## /); printf "  \033[36m%-17s\033[0m %s\n", a[1], a[2]; \
-	  more = 1; next } more && /^##   / { sub(/^## +/, ""); printf "  %-17s   %s\n", "", $$0; next } { more = 0 }' $(SELF)
+	@tty=; test -t 1 && tty=1; \
+	awk -v on="$${tty:+\033[36m}" -v off="$${tty:+\033[0m}" '/^[a-zA-Z_%-]+:.*## / { split($$0, a, /:.*## /); \
+	  printf "  %s%-17s%s %s\n", on, a[1], off, a[2]; more = 1; next } \
+	  more && /^##   / { sub(/^## +/, ""); printf "  %-17s   %s\n", "", $$0; next } { more = 0 }' $(SELF)
 	@echo "  stages with an image: $(STAGE_NAMES)"
 	@echo "  runners: RUNNER=local (default, .venv) | RUNNER=docker | HOST=user@name[:port] (ssh) | HOSTS=\"a b\" (train)"
 
@@ -282,19 +297,19 @@ demo: install ## the whole chain through the make targets, on CPU (data in data/
 # --- the stages ---
 synth eval: MOUNT_PATHS = $(MODEL) $(PROMPTS)
 extract train: MOUNT_PATHS = $(MODEL)
-SYNTH_RUN = run --prompts $(call path_arg,$(PROMPTS)) --name $(NAME) --model $(call path_arg,$(MODEL)) \
-  $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) --max-tokens $(MAX_TOKENS) \
-  --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(TRC) $(SYNTH_ARGS)
+SYNTH_RUN = run --prompts $(call path_word,$(PROMPTS)) --name $(call word_arg,$(NAME)) \
+  --model $(call path_word,$(MODEL)) $(foreach s,$(SERVER),--server $(s)) $(if $(N),--n $(N)) \
+  --max-tokens $(MAX_TOKENS) --temperature $(TEMPERATURE) --concurrency $(CONCURRENCY) $(TRC) $(SYNTH_ARGS)
 synth: $(LOCAL_DEPS) ## stage 01: N PROMPTS SERVER MODEL NAME [TRUST_REMOTE_CODE=1 MAX_TOKENS TEMPERATURE
 ##   CONCURRENCY SYNTH_ARGS] [RUNNER HOST REGISTRY DATA]
 	$(call require,PROMPTS MODEL NAME,make synth N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 \
 	  MODEL=/path/to/target NAME=synth_10k)
 	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,$(SYNTH_RUN))
-	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,validate $(NAME) $(TRC))
+	$(call run_stage,synth,$(VENV)/bin/eyas-synth,,validate $(call word_arg,$(NAME)) $(TRC))
 
-EXTRACT_RUN = run --synth $(SYNTH) --model $(call path_arg,$(MODEL)) --name $(NAME) --backend $(BACKEND) \
-  $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(if $(DISK_BUDGET),--disk-budget $(DISK_BUDGET)) \
-  $(EXTRACT_ARGS)
+EXTRACT_RUN = run --synth $(call word_arg,$(SYNTH)) --model $(call path_word,$(MODEL)) --name $(call word_arg,$(NAME)) \
+  --backend $(BACKEND) $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) \
+  $(if $(DISK_BUDGET),--disk-budget $(DISK_BUDGET)) $(EXTRACT_ARGS)
 # a local --backend vllm run needs .venv-vllm
 EXTRACT_DEPS = $(LOCAL_DEPS) $(if $(and $(filter local,$(MODE)),$(filter vllm,$(BACKEND))),vllm)
 extract: $(EXTRACT_DEPS) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_CODE=1 BACKEND=hf|vllm NPROC
@@ -306,10 +321,11 @@ extract: $(EXTRACT_DEPS) ## stage 02: SYNTH=synth/NAME MODEL NAME [TRUST_REMOTE_
 extract-finalize: $(LOCAL_DEPS) ## stage 02: mark hidden/NAME complete once every --shard I/N part has run: NAME
 ##   [RUNNER HOST]
 	$(call require,NAME,make extract-finalize NAME=hidden_name)
-	$(call run_stage,extract,$(VENV)/bin/eyas-extract,,finalize $(NAME))
+	$(call run_stage,extract,$(VENV)/bin/eyas-extract,,finalize $(call word_arg,$(NAME)))
 
-TRAIN_RUN = run --hidden $(HIDDEN) --model $(call path_arg,$(MODEL)) --name $(NAME) $(TRC) \
-  $(if $(filter 1 yes true,$(FOLLOW)),--follow) $(if $(DISK_BUDGET),--consume) $(TRAIN_ARGS)
+TRAIN_RUN = run --hidden $(call word_arg,$(HIDDEN)) --model $(call path_word,$(MODEL)) \
+  --name $(call word_arg,$(NAME)) $(TRC) $(if $(filter 1 yes true,$(FOLLOW)),--follow) \
+  $(if $(DISK_BUDGET),--consume) $(TRAIN_ARGS)
 train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CODE=1 NPROC FOLLOW=1 DISK_BUDGET
 ##   TRAIN_ARGS] [RUNNER HOST HOSTS RDZV_PORT REGISTRY DATA GPUS NCCL_*]
 	$(call require,HIDDEN MODEL NAME,make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name)
@@ -329,8 +345,8 @@ pipeline: $(LOCAL_DEPS) ## stages 01-03 at once, streaming through DATA: N PROMP
 	  echo "make pipeline: a stage failed (exit $$rc); stopping the others" >&2; stop; exit $$rc; done
 pipeline_host = $(if $($(1)_HOST),HOST=$($(1)_HOST))
 
-EVAL_RUN = eval --draft $(DRAFT) --model $(call path_arg,$(MODEL)) --prompts $(call path_arg,$(PROMPTS)) \
-  $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) $(TRC) $(EVAL_ARGS)
+EVAL_RUN = eval --draft $(call word_arg,$(DRAFT)) --model $(call path_word,$(MODEL)) \
+  --prompts $(call path_word,$(PROMPTS)) $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) $(TRC) $(EVAL_ARGS)
 eval: $(LOCAL_DEPS) ## stage 03: offline acceptance: DRAFT=drafts/NAME MODEL PROMPTS=heldout.jsonl [SPEC_TOKENS
 ##   TRUST_REMOTE_CODE=1 EVAL_ARGS] [RUNNER HOST]
 	$(call require,DRAFT MODEL PROMPTS,make eval DRAFT=drafts/NAME MODEL=/path/to/target PROMPTS=heldout.jsonl \
@@ -352,9 +368,9 @@ BENCH_CONCURRENCY ?= 1,4,16
 BENCH_ARGS        ?=
 serve: MOUNT_PATHS = $(MODEL)
 bench-serve: MOUNT_PATHS = $(PROMPTS)
-SERVE_RUN = launch --engine $(ENGINE) --model $(call path_arg,$(MODEL)) $(if $(DRAFT),--draft $(DRAFT)) \
-  $(if $(filter 1 yes true,$(PROMPT_LOOKUP)),--prompt-lookup) $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) \
-  --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
+SERVE_RUN = launch --engine $(ENGINE) --model $(call path_word,$(MODEL)) \
+  $(if $(DRAFT),--draft $(call word_arg,$(DRAFT))) $(if $(filter 1 yes true,$(PROMPT_LOOKUP)),--prompt-lookup) \
+  $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) --tp $(TP) --port $(PORT) $(TRC) $(SERVE_ARGS) -- $(ENGINE_ARGS)
 serve: $(LOCAL_DEPS) ## stage 04: serve MODEL (+ DRAFT) on ENGINE at PORT until Ctrl-C [TRUST_REMOTE_CODE=1
 ##   SPEC_TOKENS TP PROMPT_LOOKUP=1 SERVE_ARGS=--nccl-p2p-disable ENGINE_ARGS=...] [RUNNER HOST]
 	$(call require,MODEL,make serve MODEL=/path/to/target [DRAFT=drafts/NAME] [ENGINE=vllm|sglang] [PORT=8000] \
@@ -369,8 +385,8 @@ BENCH_NONE    = name the server to measure on the command line: SERVER=http://ho
   (not synth's SERVER=$(SERVER) from $(call knob_origin,SERVER))
 BENCH_SERVER_ERROR = $(if $(BENCH_SERVER),$(if $(word 2,$(BENCH_SERVER)),$(BENCH_SEVERAL)),$(BENCH_NONE))
 BENCH_RUN = bench --server $(BENCH_SERVER) $(if $(BASELINE),--baseline $(BASELINE)) \
-  --prompts $(call path_arg,$(PROMPTS)) --name $(NAME) $(if $(DRAFT),--draft $(DRAFT)) \
-  --concurrency $(BENCH_CONCURRENCY) $(BENCH_ARGS)
+  --prompts $(call path_word,$(PROMPTS)) --name $(call word_arg,$(NAME)) \
+  $(if $(DRAFT),--draft $(call word_arg,$(DRAFT))) --concurrency $(BENCH_CONCURRENCY) $(BENCH_ARGS)
 bench-serve: $(LOCAL_DEPS) ## stage 04: acceptance + tokens/s vs BASELINE: SERVER BASELINE PROMPTS NAME DRAFT
 ##   [BENCH_CONCURRENCY BENCH_ARGS] [RUNNER HOST]; SERVER= is one URL, given on the command line
 	$(if $(BENCH_SERVER_ERROR),+@echo "bench-serve: $(BENCH_SERVER_ERROR)" >&2; exit 2)
@@ -405,7 +421,7 @@ datasets: $(LOCAL_DEPS) ## list datasets under EYAS_DATA (or DATA on HOST / with
 RM_DATASET = $(or $(DATASET),$(REF))
 rm-data: install ## delete a dataset under EYAS_DATA: DATASET=KIND/NAME (asks first)
 	$(call require,RM_DATASET,make rm-data DATASET=KIND/NAME (a dataset under EYAS_DATA=$(EYAS_DATA)))
-	$(VENV)/bin/eyas-data rm $(RM_DATASET)
+	$(VENV)/bin/eyas-data rm $(call word_arg,$(RM_DATASET))
 
 # --- images: build, push, run, clean on a host ----------------------------------------------------------
 # the CPU torch wheel goes into the build context on VARIANT=cpu (when there is one)
@@ -457,7 +473,7 @@ clean-remote: ## delete one dataset on HOST inside the image: HOST=user@name[:po
 	  ..|../*|*/..|*/../*|*' '*) echo "clean-remote: DATASET=$(DATASET) is not a KIND/NAME inside the data root" \
 	    "DATA=$(DATA)" >&2; exit 2;; \
 	esac
-	$(call run_stage,synth,,eyas-data,rm $(DATASET) $(if $(filter 1 yes true,$(YES)),--yes,--dry-run))
+	$(call run_stage,synth,,eyas-data,rm $(call word_arg,$(DATASET)) $(if $(filter 1 yes true,$(YES)),--yes,--dry-run))
 
 IMAGE_TOOLS := dockerd:docker.io debootstrap:debootstrap docker-registry:docker-registry sshd:openssh-server \
                ssh:openssh-client

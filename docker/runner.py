@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shlex
 import sys
 from dataclasses import dataclass
 
@@ -73,10 +74,10 @@ def docker_run(env: dict[str, str], call: Call, entrypoint: str, args: str) -> s
     """The stage image with DATA at /data, host network, and the shared/locked memory NCCL and loaders need."""
     nccl = " ".join(f"-e {v}={env[v]}" for v in NCCL_VARS if env.get(v))
     user = knob(env, "RUN_USER")
-    mounts = " ".join(f"-v {os.path.abspath(p)}:{os.path.abspath(p)}:ro" for p in call.mounts)
+    mounts = " ".join(f"-v {shlex.quote(f'{os.path.abspath(p)}:{os.path.abspath(p)}:ro')}" for p in call.mounts)
     return words(knob(env, "DOCKER", "docker"), "run --rm --init --network=host --ipc=host", knob(env, "ULIMITS"),
                  gpu_flag(env, call.stage), nccl, f"--user {user}" if user else "",
-                 f"-v {knob(env, 'DATA')}:/data -e EYAS_DATA=/data", mounts, knob(env, "DOCKER_RUN_ARGS"),
+                 f"-v {shlex.quote(knob(env, 'DATA') + ':/data')} -e EYAS_DATA=/data", mounts, knob(env, "DOCKER_RUN_ARGS"),
                  f"--entrypoint {entrypoint}" if entrypoint else "", call.image, args)
 
 

@@ -5,7 +5,9 @@ lines.)"""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import pty
 import re
 import shlex
 import subprocess
@@ -14,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from helpers import REPO, dry_lines, make
+from helpers import REPO, dry_lines, make, remote
 
 MAKEFILE = (REPO / "Makefile").read_text()
 STAGES = "synth extract train serve"
@@ -185,13 +187,44 @@ def test_base_image_pins_are_read_from_the_requirements_files():
 
 
 def test_every_target_has_help_and_lines_read_as_a_table():
-    out = make("help").stdout.replace("\x1b[36m", " ").replace("\x1b[0m", " ")
+    out = make("help").stdout
+    assert "\x1b" not in out   # colour only on a terminal (test_help_is_coloured_on_a_terminal_only)
     phony = re.search(r"^\.PHONY:(.*?)(?:\n(?!\s)|\Z)", MAKEFILE, flags=re.M | re.S)[1].replace("\\", " ").split()
     assert "test-fast" in phony and "rm-data" in phony
     for target in phony:
         assert f" {target} " in out, f"{target} has no `##` help"
     long = [n for n, line in enumerate(MAKEFILE.splitlines(), 1) if len(line) > 120]
     assert not long, f"Makefile lines over 120 characters: {long}"
+
+
+def test_help_is_coloured_on_a_terminal_only():
+    """`make help | less` or a log gets plain text; a terminal gets the target names in colour."""
+    main, child = pty.openpty()
+    with os.fdopen(main, "rb", buffering=0) as tty_out:
+        r = subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "help"], stdout=child, stderr=child)
+        os.close(child)
+        out = b""
+        with contextlib.suppress(OSError):   # EIO: the terminal's other end is closed
+            while chunk := tty_out.read(65536):
+                out += chunk
+    assert r.returncode == 0 and b"\x1b[36mhelp" in out, out[:300]
+
+
+@pytest.mark.parametrize("mode", [{}, {"RUNNER": "docker"}, {"HOST": "u@gpu", "REGISTRY": "reg:5000"}])
+def test_paths_and_names_with_shell_characters_reach_the_stage_as_one_word(mode, tmp_path):
+    """A path holding ; ' ( ) & reaches the stage and docker's mount as one word, quoted only where it must be;
+    a value with a space cannot pass through make, and says so in one line."""
+    odd = "/srv/it's;(1)&b.jsonl"
+    line = dry_lines("synth", PROMPTS=odd, MODEL="/models/K", NAME="run1", **mode)[-2]
+    words = remote(line)[-1].split(" && ")[-1] if "HOST" in mode else line
+    args = shlex.split(words)
+    assert args[args.index("--prompts") + 1] == odd and f"{odd}:{odd}:ro" in args[:args.index("--prompts")] \
+        if mode else args[args.index("--prompts") + 1] == odd, args
+    assert "--name run1" in words and "--model /models/K" in words   # plain values stay plain
+    r = make("-n", "synth", PROMPTS="/srv/my prompts.jsonl", MODEL="/models/K", NAME="run1", **mode)
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (err,) = r.stderr.splitlines()
+    assert "PROMPTS='/srv/my prompts.jsonl' holds a space, which make cannot pass on as one argument" in err, err
 
 
 @pytest.fixture
