@@ -300,7 +300,7 @@ def test_an_unreadable_shard_of_a_partial_dataset_is_extracted_again(root, basel
     os.truncate(torn, size := torn.stat().st_size // 2)
     extract(**go)  # complete: reported done, its files left as they are
     assert torn.stat().st_size == size
-    fix = r"restore the file from a copy, or delete the dataset with `eyas-data rm hidden/torn --yes` and rerun"
+    fix = r"restore the file from a copy, or remake it: `eyas-data rm hidden/torn --yes`, then rerun eyas-extract run"
     with pytest.raises(DatasetError, match=r"not a readable safetensors file .*; " + fix):
         count_shard(ds, 2)
     with pytest.raises(DatasetError, match=rf"shard-00002.safetensors is {size} bytes, the manifest says .*{fix}"):

@@ -51,7 +51,7 @@ import torch
 from safetensors import safe_open
 
 from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, open_input,
-                                  raise_write_error, sha256_file, temp_path, temp_target,
+                                  raise_write_error, remake_fix, sha256_file, temp_path, temp_target,
                                   write_json_atomic)
 from eyas_common.lock import any_holder
 
@@ -455,8 +455,7 @@ def open_shard(ds: Dataset, path: Path) -> Any:
 def _complete_fix(ds: Dataset) -> str:
     """The fix for a damaged file of a complete dataset: a rerun reports it done and changes nothing (its shards
     are its record), so the file is restored, or the dataset deleted first."""
-    return (f"restore the file from a copy, or delete the dataset with `eyas-data rm {ds.ref} --yes` and rerun "
-            f"{REMAKE['hidden']}")
+    return f"restore the file from a copy, or {remake_fix(ds)}"
 
 
 def _unreadable_fix(ds: Dataset, path: Path) -> str:
