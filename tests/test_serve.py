@@ -402,3 +402,161 @@ def test_bad_options_get_one_line(tmp_path):
     r = serve_cli(tmp_path, "bench", "--server", "http://127.0.0.1:1", "--prompts", str(prompts), "--name", "b")
     assert r.returncode == 1 and "http://127.0.0.1:1: no answer" in r.stderr and "Traceback" not in r.stderr
     assert not (tmp_path / "bench").exists()
+
+
+def _error_line(r: subprocess.CompletedProcess) -> str:
+    """The one `Error: ...` line a refused command prints (click's usage lines above it aside), no traceback."""
+    assert "Traceback" not in r.stderr and not r.stdout, r.stdout + r.stderr
+    errors = [line for line in r.stderr.splitlines() if line.startswith("Error:")]
+    assert len(errors) == 1, r.stderr
+    return errors[0]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--server", "127.0.0.1:8000"], "'--server': '127.0.0.1:8000': expected an http:// or https:// URL of the "
+                                     "server, e.g. http://127.0.0.1:8000"),
+    (["--server", "http://[::1"], "'--server': 'http://[::1': not a URL (Invalid IPv6 URL)"),
+    (["--server", "http://127.0.0.1:99999"], "'--server': 'http://127.0.0.1:99999': not a URL (Port out of range"),
+    (["--server", "http://127.0.0.1:1", "--baseline", "ftp://127.0.0.1:2"], "'--baseline': 'ftp://127.0.0.1:2': "
+                                                                              "expected an http:// or https:// URL"),
+    (["--server", "http://127.0.0.1:1", "--baseline", "http://127.0.0.1:1/"], "--baseline http://127.0.0.1:1/ is "
+                                                                                "the --server itself"),
+    (["--server", "http://127.0.0.1:1", "--temperature", "nan"], "'--temperature': 'nan': expected a finite number"),
+    (["--server", "http://127.0.0.1:1", "--timeout", "inf"], "'--timeout': 'inf': expected a finite number"),
+])
+def test_bench_refuses_a_bad_url_or_number_before_any_request(args, says, tmp_path):
+    """A URL without its scheme read as a server that does not answer, a malformed one and a nan temperature or
+    timeout ended in tracebacks, and a baseline that is the server itself measured a speedup of nothing."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    r = serve_cli(tmp_path, "bench", "--prompts", str(prompts), "--name", "b", *args)
+    assert r.returncode == 2 and says in _error_line(r), r.stderr
+    assert not (tmp_path / "bench").exists()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("args, says", [
+    (["--host", "999.1.1.1"], "'--host': '999.1.1.1': not an address of this machine"),
+    (["--host", ""], "'--host': '': expected an address to listen on"),
+    (["--log", "."], "'--log': File '.' is a directory"),
+    (["--health-timeout", "nan"], "'--health-timeout': 'nan': expected a finite number"),
+])
+def test_launch_refuses_a_bad_host_log_or_timeout_before_anything_starts(args, says, tmp_path, fixture_target):
+    """A --host that is no address here read as `port already in use`; --log naming a folder ended in a
+    traceback; a nan --health-timeout waited forever."""
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--python", "/bin/false",
+                  "--port", str(_free_port()), *args)
+    assert r.returncode == 2 and says in _error_line(r) and "already in use" not in r.stderr, r.stderr
+
+
+def test_launch_refuses_an_engine_that_is_not_installed_before_it_starts(tmp_path, fixture_target):
+    """It started `python -m sglang.launch_server`, waited, and printed the engine's ModuleNotFoundError as a log
+    tail; the interpreter is now asked for the package first."""
+    import importlib.util
+
+    if importlib.util.find_spec("sglang") is not None:
+        pytest.skip("sglang is installed here: the launch would start it")
+    log = tmp_path / "serve.log"
+    r = serve_cli(tmp_path, "launch", "--engine", "sglang", "--model", str(fixture_target), "--log", str(log),
+                  "--port", str(_free_port()))
+    assert r.returncode == 1 and not log.exists()
+    assert f"Error: {sys.executable} cannot import sglang: install sglang there" in _error_line(r), r.stderr
+
+
+def test_a_draft_manifest_with_an_edited_target_is_refused_in_one_line(tmp_path, fixture_target):
+    ds = _draft_dataset(tmp_path, fixture_target)
+    write_json_atomic(ds.manifest_path, {**ds.read_manifest(), "target": "kimi"})
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--draft", "drafts/d", "--print")
+    assert r.returncode == 1
+    assert "drafts/d: " in (line := _error_line(r)) and "`target` is a JSON string" in line, line
+    assert "eyas-data rm drafts/d --yes" in line
+
+
+@pytest.mark.parametrize("edit, says", [
+    ({"inputs": "drafts/d"}, "`inputs` is a JSON string, expected an array"),
+    ({"inputs": [{"ref": 5}]}, '`inputs[0]` is {"ref": 5}, expected an object with a string `ref`'),
+    ({"target": "kimi"}, "`target` is a JSON string, expected the target's fingerprint"),
+])
+def test_report_refuses_an_edited_lineage_in_one_line(edit, says, tmp_path, fixture_target):
+    """The manifest's inputs and target are what the report's lineage line prints; edited, they ended in a
+    traceback there. A draft whose manifest is edited so is refused before a bench copies its lineage."""
+    out, m = start("b", draft=None, params={}, root=tmp_path)
+    write_results(out, m, {"engine": "vllm", "server": "http://a", "baseline": None, "prompts": "p.jsonl",
+                           "levels": [_level(1, 100.0)], "spec": None, "spec_tokens": 0}, stats={})
+    write_json_atomic(out.manifest_path, {**out.read_manifest(), **edit})
+    r = serve_cli(tmp_path, "report", "b")
+    assert r.returncode == 1 and says in (line := _error_line(r)) and "eyas-data rm bench/b --yes" in line, line
+    draft = _draft_dataset(tmp_path, fixture_target)
+    write_json_atomic(draft.manifest_path, {**draft.read_manifest(), **edit})
+    with pytest.raises(DatasetError, match=re.escape(says)):
+        start("b2", draft="drafts/d", params={}, root=tmp_path)
+
+
+def test_bench_refuses_an_engine_the_server_does_not_run_before_writing(tmp_path):
+    """--engine sglang against a vLLM-shaped server: its /server_info is a 404, which ended in a traceback and
+    left bench/b partial; now one line before bench/b exists. A server gone mid-run is one line too."""
+    from eyas_serve.bench import Server
+    from eyas_testing.stub import start_stub
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a question\n")
+    with start_stub() as stub:
+        r = serve_cli(tmp_path, "bench", "--server", stub.url, "--engine", "sglang", "--prompts", str(prompts),
+                      "--name", "b", "--warmup", "0")
+        assert r.returncode == 1 and not (tmp_path / "bench" / "b").exists()
+        assert f"{stub.url}/server_info: HTTP 404; is it a sglang server?" in _error_line(r), r.stderr
+        server = Server(stub.url, "vllm")
+    with pytest.raises(ConnectionError, match=rf"{re.escape(stub.url)}: no answer for /metrics .*still running"):
+        server.counters()
+
+
+def test_a_level_where_every_request_failed_leaves_the_bench_partial(tmp_path):
+    """Every request refused (a --max-tokens beyond the context, a server failing) was written as a complete
+    bench of errors, exit 0; it now stops with the server's own message and bench/b stays partial."""
+    from eyas_serve.bench import run as run_bench
+    from eyas_testing.stub import Faults, start_stub
+
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("a question\n")
+    with start_stub(faults=Faults({"500": 1.0})) as stub:
+        with pytest.raises(ConnectionError, match=rf"{re.escape(stub.url)}: all 1 requests at 1 in flight failed, "
+                                                  r"e\.g\. HTTP 500: .*injected 500.*bench/b stays partial"):
+            run_bench(server=stub.url, engine="vllm", prompts=prompts, name="b", concurrency=(1,), warmup=0,
+                      max_tokens=8, data_root=tmp_path)
+    assert Dataset.parse("b", "bench", tmp_path).read_manifest()["status"] == "partial"
+
+
+def test_a_malformed_stream_chunk_fails_its_request_not_the_bench():
+    import asyncio
+
+    import httpx
+
+    from eyas_serve.load import one_request
+
+    async def ask() -> object:
+        transport = httpx.MockTransport(lambda request: httpx.Response(200, content=b"data: [1, 2]\n\n"))
+        async with httpx.AsyncClient(transport=transport) as client:
+            return await one_request(client, "http://x", {})
+
+    res = asyncio.run(ask())
+    assert not res.ok and res.error.startswith("malformed stream chunk (AttributeError"), res
+
+
+def test_launch_does_not_overwrite_a_log_that_is_not_an_engine_log(tmp_path, fixture_target):
+    """--log is rewritten at each launch: a --log naming the prompts by mistake lost them."""
+    prompts = tmp_path / "heldout.jsonl"
+    prompts.write_text('{"prompt": "kept"}\n')
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--python", "/bin/false",
+                  "--port", str(_free_port()), "--log", str(prompts))
+    assert r.returncode == 2 and "is not an engine log" in _error_line(r) and "pass another --log" in r.stderr
+    assert prompts.read_text() == '{"prompt": "kept"}\n'
+    log = tmp_path / "serve.log"  # an earlier launch's log is rewritten as before (the engine here cannot start)
+    log.write_text("$ python -m vllm...\nold\n")
+    r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--python", "/bin/false",
+                  "--port", str(_free_port()), "--log", str(log))
+    assert r.returncode == 1 and "cannot import vllm" in _error_line(r) and "old" in log.read_text()

@@ -28,8 +28,8 @@ import json
 from pathlib import Path
 from typing import Any
 
-from eyas_common.contract import (Dataset, DatasetError, check_intact, finalize, input_ref, open_input, open_output,
-                                  remake_fix, write_json_atomic)
+from eyas_common.contract import (Dataset, DatasetError, check_intact, finalize, input_ref, json_type, open_input,
+                                  open_output, remake_fix, write_json_atomic)
 
 RESULTS, PLOT = "results.json", "bench.png"
 STAGE = "04_serve"
@@ -46,11 +46,29 @@ _SPEC_TYPES = {"drafts": (_INT, True), "draft_tokens": (_INT, True), "accepted":
 _TOP_TYPES = {"engine": (_STR, False), "server": (_STR, False), "prompts": (_STR, False), "baseline": (_STR, True)}
 
 
+def check_lineage(ds: Dataset, manifest: dict[str, Any]) -> None:
+    """Refuse a manifest whose `inputs` or `target` (what `report` prints as the lineage) no eyas stage writes:
+    a hand edit would otherwise fail inside the report, or be copied into every bench of that draft."""
+    inputs, target = manifest.get("inputs", []), manifest.get("target")
+    wrong = [n for n, x in enumerate(inputs) if not isinstance(x, dict) or not isinstance(x.get("ref"), str)] \
+        if isinstance(inputs, list) else []
+    bad = None
+    if not isinstance(inputs, list):
+        bad = f"`inputs` is a JSON {json_type(inputs)}, expected an array of {{ref, manifest_sha256}}"
+    elif wrong:
+        bad = f"`inputs[{wrong[0]}]` is {json.dumps(inputs[wrong[0]])[:60]}, expected an object with a string `ref`"
+    elif target is not None and not isinstance(target, dict):
+        bad = f"`target` is a JSON {json_type(target)}, expected the target's fingerprint (an object) or null"
+    if bad:
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path}: {bad}; it was edited; {remake_fix(ds)}")
+
+
 def lineage(draft: Dataset | None, draft_manifest: dict[str, Any] | None) -> list[dict[str, str]]:
     """The draft itself, then what it was made from (its hidden and synth datasets)."""
     if draft is None or draft_manifest is None:
         return []
-    return [input_ref(draft)] + [i for i in draft_manifest.get("inputs", []) if isinstance(i, dict)]
+    check_lineage(draft, draft_manifest)
+    return [input_ref(draft)] + draft_manifest.get("inputs", [])
 
 
 def start(name: str, *, draft: str | None, params: dict[str, Any], root: Path | None = None
@@ -142,6 +160,7 @@ def write_results(out: Dataset, manifest: dict[str, Any], results: dict[str, Any
 def read_results(ref: str, root: Path | None = None) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
     """(dataset, manifest, results) of a complete bench dataset; refuses partial, changed or malformed ones."""
     ds, manifest = open_input(ref, "bench", root=root)
+    check_lineage(ds, manifest)
     path = ds.path / RESULTS
     check_intact(ds, manifest)  # a results.json missing, truncated or edited since finalize is not the record
     try:

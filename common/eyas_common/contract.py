@@ -119,7 +119,7 @@ class Dataset:
             raise DatasetError(f"{self.ref}: {self.manifest_path} is not UTF-8 text; "
                                f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
         if not isinstance(manifest, dict):
-            raise DatasetError(f"{self.ref}: {self.manifest_path} holds a JSON {type(manifest).__name__}, not an "
+            raise DatasetError(f"{self.ref}: {self.manifest_path} holds a JSON {json_type(manifest)}, not an "
                                f"object; delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}")
         if check and "files" in manifest and (problem := files_problem(manifest["files"])):
             raise DatasetError(f"{self.ref}: {self.manifest_path}: {problem}; {remake_fix(self)}")
@@ -665,6 +665,9 @@ def await_start(ref: str, kind: str, *, root: Path | None, poll_s: float, say: A
 def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, Any]) -> None:
     """Refuse a dataset made for another tokenizer or chat template than the one loaded now."""
     made = manifest.get("target") or {}
+    if not isinstance(made, dict):  # a hand-edited manifest: name it, rather than fail on made.get
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path}: `target` is a JSON {json_type(made)}, expected the "
+                           f"target's fingerprint (an object); it was edited; {remake_fix(ds)}")
     for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
         if made.get(key) != fingerprint.get(key):
             raise DatasetError(

@@ -40,10 +40,25 @@ class Server:
         with httpx.Client(timeout=30) as c:
             self.engine = engine or detect_engine(c, self.url)
             self.model = served_model(c, self.url)
+        self.counters()  # read once now: an --engine the server is not is refused before bench/NAME is written
 
     def counters(self) -> SpecCounters | float | None:
-        with httpx.Client(timeout=30) as c:
-            return read_vllm(c, self.url) if self.engine == "vllm" else read_sglang(c, self.url)
+        """The engine's counters; a server that stopped answering, or has no such page (another engine than
+        --engine says), is a ConnectionError naming the URL, never a traceback."""
+        page = "/metrics" if self.engine == "vllm" else "/server_info"
+        try:
+            with httpx.Client(timeout=30) as c:
+                return read_vllm(c, self.url) if self.engine == "vllm" else read_sglang(c, self.url)
+        except httpx.HTTPStatusError as e:
+            raise ConnectionError(f"{self.url}{page}: HTTP {e.response.status_code}; is it a {self.engine} server? "
+                                  f"pass the engine it runs with --engine, or leave --engine out to detect it"
+                                  ) from None
+        except httpx.HTTPError as e:
+            raise ConnectionError(f"{self.url}: no answer for {page} ({type(e).__name__}: {e}); is the server "
+                                  f"still running (`make serve`)?") from None
+        except (ValueError, AttributeError) as e:  # a page that is not Prometheus text / a JSON object
+            raise ConnectionError(f"{self.url}{page}: not {self.engine}'s format ({type(e).__name__}: {e}); pass "
+                                  f"the engine it runs with --engine, or leave --engine out to detect it") from None
 
 
 def _spec_block(before: Any, after: Any) -> dict[str, Any] | None:
@@ -68,6 +83,18 @@ def _run_level(server: Server, baseline: Server | None, prompts: list, c: int, c
     level = {"concurrency": c, "draft": draft, "baseline": base, "spec": spec, "speedup": speedup}
     delta = (after - before) if isinstance(after, SpecCounters) and isinstance(before, SpecCounters) else after
     return level, delta
+
+
+def check_answered(level: dict[str, Any], server: Server, baseline: Server | None) -> None:
+    """Stop at a level where a server answered none of its requests: every request failing the same way is an
+    input the server refuses (a --max-tokens beyond its context, a wrong model), or a server that is down, and a
+    bench of errors alone is no measurement to keep as complete."""
+    for side, s in (("draft", server), ("baseline", baseline)):
+        block = level[side]
+        if block and block["errors"] and not block["requests"]:
+            raise ConnectionError(f"{s.url}: all {block['errors']} requests at {level['concurrency']} in flight "
+                                  f"failed, e.g. {block['first_errors'][0]}; fix what the server says (is "
+                                  f"--max-tokens within its context?) and rerun")
 
 
 def _warm(server: Server, prompts: list, cfg: BenchConfig) -> None:
@@ -100,6 +127,9 @@ def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, d
         data_root: Path | None = None) -> dict[str, Any]:
     """Measure, write bench/NAME (results.json, bench.png, manifest) and return the results."""
     conversations = load_prompts(prompts)  # refuses an unusable file naming its line
+    if baseline is not None and baseline.rstrip("/") == server.rstrip("/"):
+        raise click.UsageError(f"--baseline {baseline} is the --server itself: the speedup needs the same target "
+                               f"served without a draft, on another port (`eyas-serve launch --model T --port ...`)")
     cfg = BenchConfig(name=name, server=server, prompts=str(prompts), prompts_sha256=sha256_file(prompts),
                       baseline=baseline, draft=draft, concurrency=tuple(concurrency), num_prompts=num_prompts,
                       max_tokens=max_tokens, temperature=temperature, timeout_s=timeout_s, warmup=warmup)
@@ -114,6 +144,8 @@ def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, d
         except KeyboardInterrupt:
             say(f"interrupted: {out.ref} stays partial (not results); rerun to measure again")
             raise
+        except ConnectionError as e:  # a server that stopped answering mid-run, or answered nothing at a level
+            raise ConnectionError(f"{e}; {out.ref} stays partial (not results)") from None
         results = {"engine": target.engine, "server": target.url, "baseline": base.url if base else None,
                    "model": target.model, "draft": draft, "prompts": str(prompts),
                    "prompts_sha256": cfg.prompts_sha256, "levels": levels,
@@ -137,7 +169,8 @@ def _measure(target: Server, base: Server | None, work: list, cfg: BenchConfig
     levels, total = [], None
     for c in cfg.concurrency:
         level, delta = _run_level(target, base, work, c, cfg)
-        levels.append(level)
         _say_level(level)
+        check_answered(level, target, base)
+        levels.append(level)
         total = delta if total is None or not isinstance(delta, SpecCounters) else total + delta
     return levels, total

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 from pathlib import Path
+from urllib.parse import urlsplit
 
 import click
 
@@ -13,6 +15,35 @@ from eyas_common.prompts import PROMPTS_HELP
 from eyas_serve.config import ENGINES, LaunchConfig
 
 L = LaunchConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf: click's range check lets nan through (every comparison with it is
+    false), and a nan temperature or timeout only fails later, deep in a request or a wait that never ends."""
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r}: expected a finite number", param, ctx)
+        return rv
+
+
+def _url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
+    """An http(s)://HOST[:PORT] URL, checked before any request: without it a missing scheme reads as a server
+    that does not answer (`is the server running?`), and a malformed port as a traceback."""
+    if value is None:
+        return None
+    try:
+        parts = urlsplit(value)
+        port = parts.port  # raises on a port that is not a number in 0..65535
+    except ValueError as e:
+        raise click.BadParameter(f"{value!r}: not a URL ({e}); e.g. http://127.0.0.1:8000") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        hint = f"http://{value}" if "://" not in value and value else "http://127.0.0.1:8000"
+        raise click.BadParameter(f"{value!r}: expected an http:// or https:// URL of the server, e.g. {hint}")
+    if port == 0:
+        raise click.BadParameter(f"{value!r}: port 0 is no server's port; e.g. http://127.0.0.1:8000")
+    return value
 
 
 @click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"], "show_default": True})
@@ -35,9 +66,10 @@ def main() -> None:
 @click.option("--tp", type=click.IntRange(1, 1024), default=L["tp"].default, help="Tensor-parallel GPUs.")
 @click.option("--host", default=L["host"].default, help="Address to listen on (0.0.0.0 for other hosts).")
 @click.option("--port", type=click.IntRange(1, 65535), default=L["port"].default, help="HTTP port.")
-@click.option("--health-timeout", "health_timeout_s", type=click.FloatRange(min=1),
+@click.option("--health-timeout", "health_timeout_s", type=Finite(min=1),
               default=L["health_timeout_s"].default, help="Seconds to wait for /health before giving up.")
-@click.option("--log", default="", show_default=False, help="Engine log file.  [default: serve-ENGINE-PORT.log here]")
+@click.option("--log", default="", show_default=False, type=click.Path(dir_okay=False),
+              help="Engine log file.  [default: serve-ENGINE-PORT.log here]")
 @click.option("--python", default="", show_default=False, help="Interpreter that has the engine.  [default: vLLM: $EYAS_VLLM_PYTHON, "
               "else ./.venv-vllm, else this one; SGLang: this one]")
 @click.option("--nccl-p2p-disable", is_flag=True,
@@ -77,8 +109,11 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 
 
 @main.command(context_settings={"show_default": True})
-@click.option("--server", required=True, help="URL of the server with the draft, e.g. http://127.0.0.1:8000.")
-@click.option("--baseline", default=None, help="URL of the same target without a draft: speedup is measured against it.")
+@click.option("--server", required=True, callback=_url,
+              help="URL of the server with the draft, e.g. http://127.0.0.1:8000.")
+@click.option("--baseline", default=None, callback=_url,
+              help="URL of the same target without a draft: speedup is measured against it.  [default: none: no "
+                   "speedup]")
 @click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False, path_type=Path),
               help="Held-out prompts: " + PROMPTS_HELP)
 @click.option("--name", required=True, help="Output dataset bench/NAME.")
@@ -88,9 +123,9 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--num-prompts", type=click.IntRange(min=0), default=0,
               help="Requests per level (prompts reused in order); 0 = every prompt once.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Completion budget per request, tokens.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.0,
+@click.option("--temperature", type=Finite(min=0), default=0.0,
               help="Sampling temperature; 0 (greedy) makes acceptance a property of the draft alone.")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=1), default=600.0, help="Per-request timeout, seconds.")
+@click.option("--timeout", "timeout_s", type=Finite(min=1), default=600.0, help="Per-request timeout, seconds.")
 @click.option("--warmup", type=click.IntRange(min=0), default=2, help="Unmeasured requests per server first.")
 @click.option("--engine", type=click.Choice(ENGINES), default=None, help="Engine of both servers.  [default: detected]")
 def bench(**kw) -> None:
@@ -117,7 +152,7 @@ def report(ref: str, as_json: bool) -> None:
     from eyas_common.bench import read_results
     from eyas_serve.report import table
 
-    _, manifest, results = read_results(ref if "/" in ref else f"bench/{ref}")
+    _, manifest, results = read_results(ref)  # a plain NAME is bench/NAME; "" is refused as no name
     click.echo(json.dumps(results, indent=2) if as_json else table(results, manifest))
 
 

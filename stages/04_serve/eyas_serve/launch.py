@@ -1,17 +1,21 @@
 """`eyas-serve launch`: check the draft against the target, then run the engine until Ctrl-C / SIGTERM.
 
 Nothing starts before the checks pass: a draft made for another target (tokenizer fingerprint or hidden
-size) and a port already taken are refused first, each in one line that names both sides and the fix.
+size), a port already taken or a --host that is no address here, an interpreter that cannot import the
+engine, and a --log that names a file other than an engine log are refused first, each in one line that names
+both sides and the fix.
 The engine runs in its own process group; on Ctrl-C or SIGTERM the whole group is stopped (vLLM forks an
 engine-core process that would otherwise outlive the API server).
 """
 
 from __future__ import annotations
 
+import errno
 import shlex
 import shutil
 import signal
 import socket
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -23,7 +27,7 @@ from eyas_common.checkpoint import CONFIG, read_text_config
 from eyas_common.contract import Dataset, DatasetError, check_target, open_input
 from eyas_common.drafts import check_folder
 from eyas_serve.config import LaunchConfig
-from eyas_serve.engines import engine_command, engine_env, prompt_lookup_config
+from eyas_serve.engines import SERVERS, engine_command, engine_env, prompt_lookup_config
 from eyas_serve.process import VllmServer, log_tail, start_server, stop, wait_healthy
 
 
@@ -50,12 +54,51 @@ def check_draft(draft: str, model: str | Path, trust_remote_code: bool = False) 
 
 
 def check_port_free(host: str, port: int) -> None:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+    """Bind HOST:PORT once, as the engine will: a port in use, and a --host that is no address of this machine
+    (a typo, another host's IP), are refused with their own fix before anything starts."""
+    if not host:
+        raise click.BadParameter("'': expected an address to listen on: 127.0.0.1 (this host only) or 0.0.0.0 "
+                                 "(every interface)", param_hint="'--host'")
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM) as s:
         try:
             s.bind((host, port))
+        except socket.gaierror as e:  # not an address, nor a name that resolves
+            raise click.BadParameter(f"{host!r}: not an address of this machine ({e.strerror}); use 127.0.0.1 "
+                                     f"(this host only) or 0.0.0.0 (every interface)", param_hint="'--host'") from None
         except OSError as e:
+            if e.errno != errno.EADDRINUSE:  # EADDRNOTAVAIL: another machine's address; EACCES: a port below 1024
+                raise click.ClickException(f"cannot listen on {host}:{port} ({e.strerror}): use a --host of this "
+                                           f"machine (127.0.0.1 or 0.0.0.0) and a --port above 1023") from None
             raise click.ClickException(f"port {port} on {host} is already in use ({e.strerror}): stop what "
                                        f"holds it, or choose another --port") from None
+
+
+def check_engine_installed(python: str, engine: str) -> None:
+    """Refuse an interpreter that cannot import the engine before it starts: otherwise the engine's own
+    ModuleNotFoundError comes back only as a log tail, after the start-up wait. find_spec looks the package up
+    without importing it (vLLM's import alone takes seconds)."""
+    module = SERVERS[engine][0].split(".")[0]
+    probe = f"import importlib.util, sys; sys.exit(importlib.util.find_spec({module!r}) is None)"
+    try:
+        code = subprocess.run([python, "-c", probe], capture_output=True, timeout=120).returncode
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise click.ClickException(f"--python {python} does not run ({e}): pass an interpreter that has {engine}"
+                                   ) from None
+    if code != 0:
+        install = "`make vllm` for vLLM on CPU, else pip install vllm" if engine == "vllm" else "pip install sglang"
+        raise click.ClickException(f"{python} cannot import {module}: install {engine} there ({install}), or pass "
+                                   f"--python an interpreter that has it (the engine's image or venv)")
+
+
+def check_log(log: Path) -> None:
+    """The engine log is rewritten at each launch; refuse to rewrite a file that is not one (a --log naming the
+    prompts or a config by mistake would be lost). Every log eyas writes starts with the `$ command` line."""
+    if log.is_file() and log.stat().st_size:
+        with log.open("rb") as f:
+            if f.read(2) != b"$ ":
+                raise click.BadParameter(f"{str(log)!r} exists and is not an engine log (eyas' logs start with the "
+                                         f"`$ command` line); nothing was written to it: pass another --log",
+                                         param_hint="'--log'")
 
 
 def check_prompt_lookup(cfg: LaunchConfig) -> None:
@@ -106,6 +149,8 @@ def launch(cfg: LaunchConfig, *, ready: Any = None) -> int:
                                    f"or pass --python")
     check_port_free(cfg.host, cfg.port)
     log = Path(cfg.log or f"serve-{cfg.engine}-{cfg.port}.log").absolute()
+    check_log(log)
+    check_engine_installed(cmd[0], cfg.engine)
     previous = signal.signal(signal.SIGTERM, _raise_on_sigterm)
     server: VllmServer | None = None
     try:

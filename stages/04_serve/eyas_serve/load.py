@@ -65,8 +65,11 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
                     ttft = time.perf_counter() - t0
                 if chunk.get("usage"):
                     tokens = int(chunk["usage"].get("completion_tokens") or 0)
-    except (httpx.HTTPError, json.JSONDecodeError) as e:
+    except httpx.HTTPError as e:
         return RequestResult(False, error=f"{type(e).__name__}: {e}")
+    except (ValueError, TypeError, AttributeError) as e:  # a chunk that is not an OpenAI one: this request failed,
+        # not the whole level (one such answer would otherwise end the bench in a traceback)
+        return RequestResult(False, error=f"malformed stream chunk ({type(e).__name__}: {e})")
     latency = time.perf_counter() - t0
     return RequestResult(True, ttft if ttft is not None else latency, latency, tokens)
 
