@@ -443,3 +443,99 @@ def test_vllm_backend_agrees_with_hf(root, fixture_target, opts):
         else:
             torch.testing.assert_close(a["topk_logprobs"], b["topk_logprobs"], atol=1e-4, rtol=0)
             assert (a["topk_ids"] == b["topk_ids"]).float().mean() > 0.99
+
+
+# ------------------------------------------------------------------------------------------------
+# bad input: one line naming the option or file and the fix, before anything is written
+
+
+def cli_in_process(root: Path, *args: str):
+    """eyas-extract ARGS in this process (click's runner): exit code and output, for refusals made before any
+    target loads."""
+    from click.testing import CliRunner
+
+    from eyas_extract.cli import main
+
+    res = CliRunner().invoke(main, list(args), env={"EYAS_DATA": str(root)})
+    assert "Traceback" not in res.output and not isinstance(res.exception, (ValueError, OverflowError)), res.output
+    return res.exit_code, res.output
+
+
+def test_bad_options_are_refused_before_anything_is_written(root, fixture_target, tmp_path, monkeypatch):
+    import eyas_extract.hf_backend as hf
+    from eyas_extract.placement import Devices
+
+    go = dict(synth=SYNTH, model=fixture_target, name="badopt", data_root=root, progress=False)
+    # No GPU here (or none visible): torch failed only once the target loaded, after the dataset was started with
+    # bf16 params that then refused the rerun with --device cpu.
+    monkeypatch.setattr(hf.torch.cuda, "is_available", lambda: False)
+    with pytest.raises(DatasetError, match=r"--device cuda: .*; pass --device cpu, or auto"):
+        extract(device="cuda", **go)
+    with pytest.raises(DatasetError, match=r"--device 'gpu7': not a device the hf backend runs on"):
+        extract(device="gpu7", **go)
+    with pytest.raises(DatasetError, match=r"--device-map 'banana': .*pass a strategy \(auto, balanced"):
+        extract(device_map="banana", **go)
+    (tmp_path / "config.json").write_text((fixture_target / "config.json").read_text())  # a config, no tokenizer
+    with pytest.raises(DatasetError, match=rf"--model {re.escape(str(tmp_path))}: no tokenizer loads from this"):
+        extract(**go | {"model": tmp_path})
+    assert not (root / "hidden" / "badopt").exists()
+    for spec in ("0x96GB", "8xinfGB", "-1x80GB"):
+        with pytest.raises(DatasetError, match=r"--devices .*N and SIZE above 0"):
+            Devices.parse(spec)
+    args = ["run", "--synth", SYNTH, "--model", str(fixture_target), "--name", "badopt", "--quiet"]
+    code, out = cli_in_process(root, *args, "--follow", "--disk-budget", "inf")
+    assert code == 2 and "Error: Invalid value for '--disk-budget': 'inf' is not a size" in out
+    code, out = cli_in_process(root, *args, "--device-map", "auto", "--max-memory", "0=80G")  # accelerate: no unit
+    assert code == 2 and "'0=80G': expected DEVICE=SIZE pairs" in out and "e.g. 0=80GiB" in out
+    assert not (root / "hidden" / "badopt").exists()
+
+
+def test_ctrl_c_before_the_extraction_is_one_line(root, fixture_target, monkeypatch):
+    import eyas_extract.run as run_mod
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(run_mod, "run", interrupted)  # Ctrl-C while the tokenizer or the input is read
+    code, out = cli_in_process(root, "run", "--synth", SYNTH, "--model", str(fixture_target), "--name", "cc")
+    assert code == 130 and "interrupted: the shards already made are kept; rerun the same command" in out
+
+
+def test_a_run_of_another_split_is_refused_while_one_runs(root, fixture_target):
+    from eyas_common.lock import WriterLock
+
+    ds = Dataset.parse("hidden/split", root=root)
+    with WriterLock(ds, stage="02_extract", part="worker-0-of-1"):  # a whole-dataset run, still running
+        # --shard 0/2 owns shards 0, 2, ... that the run above makes too (and it cleared that run's temp files)
+        with pytest.raises(DatasetError, match=r"hidden/split is being written by 02_extract pid \d+ .* as "
+                                               r"worker-0-of-1 \(its shards split over 1 worker.*over 2, so the two "
+                                               r"would make the same shards"):
+            extract(synth=SYNTH, model=fixture_target, name="split", shard="0/2", data_root=root, **SMALL)
+    assert not (root / "hidden" / "split" / "manifest.json").exists()
+
+
+def test_finalize_refuses_or_leaves_alone(root, baseline, tmp_path):
+    from eyas_extract.run import finalize_dataset
+
+    # A data root with no hidden/ yet: one line, and no mutex file made for a dataset that is not there.
+    with pytest.raises(DatasetError, match=r"hidden/nothing: no manifest.json at .*make it with eyas-extract run"):
+        finalize_dataset("nothing", data_root=tmp_path)
+    assert not (tmp_path / "hidden").exists()
+    # A complete dataset's files and stats are its record: finalizing it again rewrites nothing (it hashed what
+    # was there, listing a stray file and blessing a changed shard).
+    done = root / "hidden" / "refinal"
+    done.mkdir()
+    for p in baseline.rglob("*"):
+        if p.is_file():
+            (done / p.relative_to(baseline)).parent.mkdir(parents=True, exist_ok=True)
+            (done / p.relative_to(baseline)).write_bytes(p.read_bytes())
+    before = (done / "manifest.json").read_bytes()
+    (done / "notes.txt").write_text("mine")
+    finalize_dataset("refinal", data_root=root)
+    assert (done / "manifest.json").read_bytes() == before
+    # Begun by --follow while synth runs: no shard count yet (it divided by zero, or would list none).
+    m = json.loads(before)
+    (done / "manifest.json").write_text(json.dumps(m | {"status": "partial", "params": m["params"] | {"num_shards": 0}}))
+    with pytest.raises(DatasetError, match=r"hidden/refinal is extracted with --follow while synth/fx is written.*"
+                                           r"finish synth/fx .* then rerun the eyas-extract run"):
+        finalize_dataset("refinal", data_root=root)

@@ -54,9 +54,13 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
         refuse_remote_code(model, ValueError("trust_remote_code"), trust_remote_code)
     try:
         return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
-    except ValueError as e:
+    except (OSError, ValueError) as e:  # a folder that is not a target: transformers' multi-line traceback
         refuse_remote_code(model, e, trust_remote_code)
-        raise
+        from eyas_common.contract import DatasetError
+
+        why = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(" :")
+        raise DatasetError(f"--model {model}: no tokenizer loads from this folder (transformers: {why}); pass the "
+                           f"local path of the target (a folder with config.json and the tokenizer files)") from None
 
 
 def _sha(obj: Any) -> str:

@@ -103,7 +103,7 @@ def parse_size(text: str) -> int:
     unit = body[-1:] if body[-1:] in SIZE_UNITS else ""
     try:
         return int(float(body[: len(body) - len(unit)]) * SIZE_UNITS[unit])
-    except ValueError:
+    except (ValueError, OverflowError):  # OverflowError: inf, or a number too large for a float (1e400)
         raise ValueError(f"{text!r} is not a size: expected e.g. 50G, 500M, 2T or a number of bytes") from None
 
 

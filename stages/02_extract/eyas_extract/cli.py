@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
 
 from eyas_common.cli_errors import EyasGroup
-from eyas_common.hidden import parse_size
 from eyas_common.methods import METHODS
+from eyas_common.procs import INTERRUPTED
 from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS, ExtractOptions
-from eyas_extract.run import finalize_dataset
-from eyas_extract.run import run as run_extract
+
+# eyas_extract.run (torch, transformers) is imported by the commands, not here: a Ctrl-C during those seconds of
+# imports then ends in the commands' one line, not in a traceback from the middle of an import.
 
 D = ExtractOptions.__dataclass_fields__  # the defaults shown in --help are the options' own
 
@@ -25,14 +27,26 @@ def _layers(ctx: click.Context, param: click.Parameter, value: str | None) -> li
         raise click.BadParameter(f"{value!r}: expected comma-separated layer ids, e.g. 2,30,58") from None
 
 
+# The sizes accelerate takes as text, unit spelled as here: its lower-case `b` would mean bits (80Gb = 10 GB),
+# and a bare number, which it refuses as text, would fail only once the target loads.
+MEMORY_UNITS = {u.lower(): u for u in ("GiB", "MiB", "KiB", "GB", "MB", "KB")}
+MEMORY_SIZE = re.compile(r"(\d+(?:\.\d+)?)(" + "|".join(MEMORY_UNITS) + ")", re.IGNORECASE)
+
+
 def _max_memory(ctx: click.Context, param: click.Parameter, value: str | None) -> dict[str, str] | None:
     if not value:
         return None
-    try:
-        pairs = [item.split("=", 1) for item in value.replace(" ", "").split(",")]
-        return {k: v for k, v in pairs if k and v}
-    except ValueError:
-        raise click.BadParameter(f"{value!r}: expected DEVICE=SIZE pairs, e.g. 0=80GiB,1=80GiB,cpu=200GiB") from None
+    budget = {}
+    items = value.replace(" ", "").split(",")
+    for item in items:
+        device, _, size = item.partition("=")
+        found = MEMORY_SIZE.fullmatch(size)
+        if not (device.isdigit() or device in ("cpu", "disk")) or not found or float(found[1]) <= 0:
+            where = f"{item!r} in {value!r}" if len(items) > 1 else repr(value)
+            raise click.BadParameter(f"{where}: expected DEVICE=SIZE pairs, DEVICE a GPU index, cpu or disk, SIZE "
+                                     f"in GiB, MiB, GB or MB, e.g. 0=80GiB,1=80GiB,cpu=200GiB")
+        budget[device] = found[1] + MEMORY_UNITS[found[2].lower()]
+    return budget
 
 
 class DiskSize(click.ParamType):
@@ -43,6 +57,8 @@ class DiskSize(click.ParamType):
     def convert(self, value, param, ctx) -> int:
         if isinstance(value, int):
             return value
+        from eyas_common.hidden import parse_size
+
         try:
             size = parse_size(value)
         except ValueError as e:
@@ -93,7 +109,8 @@ def main() -> None:
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")
 @click.option("--max-memory", callback=_max_memory, default=None,
-              help="With a device_map: budget per device, e.g. 0=80GiB,1=80GiB,cpu=200GiB.  [default: the planner's, 90% of each]")
+              help="With a device_map: budget per device (GPU index, cpu or disk; GiB, MiB, GB or MB), e.g. "
+                   "0=80GiB,1=80GiB,cpu=200GiB.  [default: the planner's, 90% of each]")
 @click.option("--devices", default=None,
               help="Plan for this machine instead of the detected one: NxSIZE (8x96GB) or cpu:SIZE (with --dry-run).")
 @click.option("--dry-run", is_flag=True,
@@ -116,14 +133,29 @@ def run(quiet: bool, **kwargs) -> None:
     resume: finished shards are kept, a killed shard is redone. With --follow the shards are the same,
     byte for byte, as a run over the finished synth dataset makes.
     """
-    run_extract(ExtractOptions(**kwargs), progress=not quiet)
+    try:
+        from eyas_extract.run import run as run_extract
+
+        run_extract(ExtractOptions(**kwargs), progress=not quiet)
+    except KeyboardInterrupt:  # before the extraction started (which says what it kept itself)
+        _interrupted("the shards already made are kept; rerun the same command to resume")
+
+
+def _interrupted(what: str) -> None:
+    click.echo(f"[extract] interrupted: {what}", err=True)
+    raise SystemExit(INTERRUPTED)
 
 
 @main.command("finalize")
 @click.argument("name")
 def finalize_cmd(name: str) -> None:
     """Mark hidden/NAME complete once every --shard part has written its shards (merges their stats)."""
-    finalize_dataset(name)
+    try:
+        from eyas_extract.run import finalize_dataset
+
+        finalize_dataset(name)
+    except KeyboardInterrupt:  # the manifest is replaced atomically: it is as it was, or complete
+        _interrupted(f"rerun `eyas-extract finalize {name}`")
 
 
 if __name__ == "__main__":

@@ -19,7 +19,6 @@ import os
 import socket
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 import torch
 
 from eyas_common.chat import refuse_remote_code
+from eyas_common.contract import DatasetError
 
 from eyas_extract.capture import Capture, encode, find_parts
 from eyas_common.hidden import torch_dtype
@@ -26,10 +27,38 @@ from eyas_extract.config import ExtractConfig
 
 
 
-def pick_device(device: str) -> torch.device:
+DEVICE_MAPS = ("auto", "balanced", "balanced_low_0", "sequential")  # transformers' named device_map strategies
+
+
+def pick_device(device: str, *, here: bool = True, option: str = "--device",
+                fix: str = "pass --device cpu, or auto (a GPU when there is one)") -> torch.device:
+    """`--device` as a torch device. Refused in one line, before anything is written, when it names no device
+    the hf backend runs on or (`here`: not a dry run planning another machine) a GPU this machine lacks;
+    torch would only fail once the target loads, leaving a started dataset that a rerun must match."""
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        dev = None
+    if dev is None or dev.type not in ("cpu", "cuda"):
+        raise DatasetError(f"{option} {device!r}: not a device the hf backend runs on (cpu, cuda, cuda:N); {fix}")
+    if here and dev.type == "cuda":
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if not gpus:
+            why = "this torch is built without CUDA" if torch.version.cuda is None else "no CUDA GPU is visible"
+            raise DatasetError(f"{option} {device}: {why}; {fix}")
+        if dev.index is not None and dev.index >= gpus:
+            raise DatasetError(f"{option} {device}: this machine has {gpus} CUDA GPU(s), cuda:0 to "
+                               f"cuda:{gpus - 1}; {fix}")
+    return dev
+
+
+def check_device_map(device_map: str | None, *, here: bool = True) -> None:
+    """`--device-map`: one of transformers' strategies or one device, checked before anything is written."""
+    if device_map is not None and device_map not in DEVICE_MAPS:
+        pick_device(device_map, here=here, option="--device-map",
+                    fix=f"pass a strategy ({', '.join(DEVICE_MAPS)}) or a device this machine has")
 
 
 def pick_dtype(dtype: str, device: torch.device) -> str:

@@ -52,11 +52,15 @@ class Devices:
         """`8x96GB`, `2x80GiB` or `cpu:24GB`: a machine described instead of detected (dry runs, tests)."""
         try:
             if spec.startswith("cpu:"):
-                return cls("cpu", [_bytes(spec[4:])], "cpu")
-            count, _, size = spec.lower().partition("x")
-            return cls("cuda", [_bytes(size)] * int(count), "")
-        except ValueError:
-            raise DatasetError(f"--devices {spec!r}: expected NxSIZE (8x96GB) or cpu:SIZE (cpu:24GB)") from None
+                found = cls("cpu", [_bytes(spec[4:])], "cpu")
+            else:
+                count, _, size = spec.lower().partition("x")
+                found = cls("cuda", [_bytes(size)] * int(count), "")
+            if found.memory and min(found.memory) > 0:  # a plan needs a device, and memory on it
+                return found
+        except (ValueError, OverflowError):  # OverflowError: an infinite size
+            pass
+        raise DatasetError(f"--devices {spec!r}: expected NxSIZE (8x96GB) or cpu:SIZE (cpu:24GB), N and SIZE above 0")
 
 
 def _bytes(size: str) -> int:

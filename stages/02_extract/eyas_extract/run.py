@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import queue
+import re
 import shutil
 import socket
 import sys
@@ -33,7 +34,7 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, ch
 from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
                                 mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, shard_problem,
                                 update_manifest, write_run)
-from eyas_common.lock import WriterLock
+from eyas_common.lock import WriterLock, describe, holder, lock_paths
 from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
 from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_note
@@ -42,7 +43,7 @@ from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.config import AUX_DTYPES, BACKENDS, MAY_CHANGE, TEACHERS, ExtractConfig, ExtractOptions
 from eyas_extract.follow import (ConsumerDone, Follower, check_shards, follow_started, list_shards, resume_terms,
                                  wait_for_budget)
-from eyas_extract.hf_backend import pick_attn, pick_device, pick_dtype
+from eyas_extract.hf_backend import check_device_map, pick_attn, pick_device, pick_dtype
 from eyas_extract.placement import Devices, Plan, estimate_seconds, plan_placement, shard_work_note, tokens_note
 
 
@@ -237,7 +238,8 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
         return {"plan": placement.to_dict(), "tokens": tokens, "bytes": size, "free_bytes": free}
     _refuse_full_disk(job.ds, size, free)
     # Each worker part has its own lock: two runs of one part are refused, different parts run side by side.
-    with WriterLock(job.ds, stage="02_extract", part=f"worker-{job.worker}-of-{job.workers}"):
+    with WriterLock(job.ds, stage="02_extract", part=worker_part(job.worker, job.workers)):
+        _refuse_other_split(job)
         manifest = _open_dataset(job, allow_code_change=opts.allow_code_change)
         if manifest.get("status") == "complete":
             log(f"{job.ds.ref} is already complete")
@@ -262,6 +264,29 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
             f"are still to run (the last one to end finalizes, or run `eyas-extract finalize {job.ds.name}`)")
         return stats
     return stats | {"dataset": finalize_dataset(job.ds.name, data_root=data_root)}
+
+
+def worker_part(worker: int, workers: int) -> str:
+    """The lock part of worker W of N (eyas_common.lock): one lock per worker of a split."""
+    return f"worker-{worker}-of-{workers}"
+
+
+def _refuse_other_split(job: Job) -> None:
+    """The workers of one split (--shard I/N x torchrun ranks = worker W of N) run side by side, each under its
+    own lock; a live worker of another split (another N) owns some of the same shards, so a run beside it would
+    make them twice and clear its temp files as its own. Checked once this run holds its lock: of two runs
+    started together, at least the second sees the first."""
+    pattern = re.compile(rf"\.{re.escape(job.ds.name)}\.worker-\d+-of-(\d+)\.lock")
+    for path in lock_paths(job.ds):
+        found = pattern.fullmatch(path.name)
+        if not found or int(found[1]) == job.workers:
+            continue
+        part = path.name[len(job.ds.name) + 2:-len(".lock")]
+        if (other := holder(job.ds, part)) is not None:
+            raise DatasetError(
+                f"{job.ds.ref} is being written by {describe(other)} as {part} (its shards split over {found[1]} "
+                f"worker(s): --shard parts x torchrun ranks); this run splits them over {job.workers}, so the two "
+                f"would make the same shards: wait for it to end, or run this one with the same split")
 
 
 def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
@@ -297,7 +322,9 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
                            f"layer k; the target has {num_layers} layers, default for {opts.method} {default_layers(opts.method, num_layers)})")
     if opts.teacher == "topk" and not 1 <= opts.topk <= vocab:
         raise DatasetError(f"--topk {opts.topk}: need 1 <= K <= {vocab} (the target's vocabulary)")
-    dev = pick_device(opts.device)
+    here = not opts.devices  # a dry run for another machine (--devices) does not check this one's GPUs
+    dev = pick_device(opts.device, here=here)
+    check_device_map(opts.device_map, here=here)
     if dev.type == "cuda" and ranks.world > 1:
         dev = torch.device("cuda", ranks.local_rank)
         torch.cuda.set_device(dev)
@@ -583,9 +610,12 @@ def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, A
     """Check that every shard is there, merge the workers' stats and mark hidden/NAME complete. Under the
     manifest's mutex: a training run consuming shards (--consume) waits, and its marks are kept."""
     ds = Dataset.parse(name, "hidden", data_root)
+    _finalizable(ds, ds.read_manifest())  # before the mutex, whose file would be made beside a dataset not there
     with manifest_mutex(ds):
         manifest = ds.read_manifest()
-        check_schema(ds, manifest)
+        if not _finalizable(ds, manifest):
+            log(f"{ds.ref} is already complete: nothing to do")
+            return manifest["stats"]
         n = manifest["params"]["num_shards"]
         missing = missing_shards(ds, n)
         if missing:
@@ -605,6 +635,21 @@ def finalize_dataset(name: str, *, data_root: Path | None = None) -> dict[str, A
         f"{stats['bytes'] / 1e9:.3f} GB ({stats['bytes_per_token']:,} B/token), {stats['tokens_per_s'] or 0:,.0f} "
         f"tokens/s, wall {stats['wall_s']} s")
     return stats
+
+
+def _finalizable(ds: Dataset, manifest: dict[str, Any]) -> bool:
+    """Whether `ds` is a partial hidden dataset whose shard count is known; False when it is complete (its
+    files and stats are its record: finalizing again would hash what is there now, a changed or stray file
+    included). Refused when made by --follow from a synth dataset not complete yet (no shard count yet)."""
+    check_schema(ds, manifest)
+    if manifest.get("status") == "complete":
+        return False
+    if follow_started(manifest):
+        synth = (manifest.get("params") or {}).get("synth", "its synth dataset")
+        raise DatasetError(f"{ds.ref} is extracted with --follow while {synth} is written, and has no shard count "
+                           f"until {synth} is complete: finish {synth} (rerun its eyas-synth command), then rerun "
+                           f"the eyas-extract run of {ds.ref}, which finalizes it")
+    return True
 
 
 def _final_stats(counts: list[ShardCounts], runs: list[dict[str, Any]]) -> dict[str, Any]:
