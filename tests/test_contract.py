@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib
 import json
 import os
 import re
@@ -365,3 +366,16 @@ def test_a_dataset_name_is_a_plain_word(name, tmp_path):
     with pytest.raises(DatasetError, match=r"bad dataset name .*letters, digits and \. _ \+ -"):
         Dataset.parse(name, "synth", tmp_path)
     assert Dataset.parse("synth_10k.v2-b+1", "synth", tmp_path).name == "synth_10k.v2-b+1"
+
+
+@pytest.mark.parametrize("stage, command, option, value", [
+    ("eyas_synth.cli", "run", "--temperature", "nan"), ("eyas_synth.cli", "run", "--timeout", "inf"),
+    ("eyas_extract.cli", "run", "--poll-seconds", "nan"),
+    ("eyas_train.cli", "run", "--lr", "nan"), ("eyas_train.cli", "run", "--epochs", "inf"),
+])
+def test_every_stage_refuses_a_number_that_is_not_finite(stage, command, option, value):
+    """click's FloatRange lets nan through (every comparison with it is false) and inf past a lower bound: a nan
+    learning rate trains a draft of nans, an infinite epoch count never ends. Each stage refuses both at once
+    (click checks the options in the order given, so this one comes before the missing required ones)."""
+    r = CliRunner().invoke(importlib.import_module(stage).main, [command, option, value])
+    assert r.exit_code == 2 and f"'{option}': '{value}': expected a finite number" in r.output, r.output

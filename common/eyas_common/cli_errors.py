@@ -1,4 +1,5 @@
-"""One line, no traceback, for every error a user can cause: the click group all eyas CLIs use.
+"""One line, no traceback, for every error a user can cause: the click group all eyas CLIs use, and their
+number type that refuses nan and inf.
 
 Library code raises DatasetError (plain, click-free) with a message that names the file or option and
 the fix; this group prints it as `Error: ...` with exit status 1. Operating-system refusals a user
@@ -8,6 +9,7 @@ causes (a read-only data root, no permission, a full disk) are printed the same 
 from __future__ import annotations
 
 import errno
+import math
 from typing import Any
 
 import click
@@ -35,3 +37,14 @@ class EyasGroup(click.Group):
             if e.errno not in _OS_FIX:
                 raise
             raise click.ClickException(f"{e.filename or ''}: {e.strerror}; {_OS_FIX[e.errno]}".lstrip(": ")) from None
+
+
+class Finite(click.FloatRange):
+    """A FloatRange that refuses nan and inf: click's range check lets nan through (every comparison with it is
+    false), and a nan temperature or timeout only fails later, deep in a request or a wait that never ends."""
+
+    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r}: expected a finite number", param, ctx)
+        return rv

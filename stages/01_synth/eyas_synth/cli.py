@@ -6,7 +6,7 @@ from pathlib import Path
 
 import click
 
-from eyas_common.cli_errors import EyasGroup
+from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.prompts import PROMPTS_HELP
 from eyas_synth.run import run as run_synth
 from eyas_synth.validate import validate as validate_synth
@@ -31,9 +31,9 @@ def main() -> None:
               help="Samples to make (>= 1); sample i answers prompt i mod #prompts.  [default: #prompts]")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096,
               help="Completion budget per sample, tokens; fitted to the server's max_model_len minus the prompt.")
-@click.option("--temperature", type=click.FloatRange(min=0), default=0.6,
+@click.option("--temperature", type=Finite(min=0), default=0.6,
               help="Sampling temperature (>= 0), sent explicitly (servers otherwise use generation_config).")
-@click.option("--top-p", type=click.FloatRange(0, 1, min_open=True), default=0.95, help="Nucleus sampling p, in (0, 1].")
+@click.option("--top-p", type=Finite(0, 1, min_open=True), default=0.95, help="Nucleus sampling p, in (0, 1].")
 @click.option("--thinking/--no-thinking", default=None,
               help="Chat-template thinking switch (chat_template_kwargs).  [default: on where the tokenizer has "
                    "<think>/</think> and the template takes the switch, else off; printed and recorded]")
@@ -43,7 +43,7 @@ def main() -> None:
 @click.option("--drop-truncated/--keep-truncated", default=False,
               help="Length-truncated answers go to truncated.jsonl (drop) or stay in samples.jsonl (keep); counted either way.")
 @click.option("--concurrency", type=click.IntRange(min=1), default=128, help="Requests in flight, all servers together (>= 1).")
-@click.option("--timeout", "timeout_s", type=click.FloatRange(min=0, min_open=True), default=600.0,
+@click.option("--timeout", "timeout_s", type=Finite(min=0, min_open=True), default=600.0,
               help="Per-request timeout, seconds (> 0). After 60 s (or a quarter of this, if less) with no "
                    "answer at all, the run says so and whether each server still answers.")
 @click.option("--max-attempts", type=click.IntRange(min=1), default=8,
@@ -54,7 +54,7 @@ def main() -> None:
 @click.option("--allow-rejected", default="1%",
               help="Answers that may fail validation (listed in rejected.jsonl) for the dataset to be complete: a "
                    "count or a percentage of --n; above it the dataset stays partial and the first problem is named.")
-@click.option("--breaker", "breaker_s", type=click.FloatRange(min=0, min_open=True), default=120.0,
+@click.option("--breaker", "breaker_s", type=Finite(min=0, min_open=True), default=120.0,
               help="Stop the whole run when every server has failed for this long, seconds (> 0); rerun to resume.")
 @click.option("--allow-code-change", is_flag=True,
               help="Resume a dataset started by another eyas version (git sha / image tag); recorded in the manifest.")

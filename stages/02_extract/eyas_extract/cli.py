@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from eyas_common.cli_errors import EyasGroup
+from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.methods import METHODS
 from eyas_common.procs import INTERRUPTED
 from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS, ExtractOptions
@@ -119,7 +119,7 @@ def main() -> None:
               help="Take a synth dataset still being written: extract each shard as soon as every id up to it is "
                    "decided (kept, set aside or rejected), list it in the partial manifest, end when synth is complete. "
                    "Exits 1 when synth stops partial. One worker: no --shard, no torchrun.")
-@click.option("--poll-seconds", type=click.FloatRange(min=0, min_open=True), default=D["poll_seconds"].default,
+@click.option("--poll-seconds", type=Finite(min=0, min_open=True), default=D["poll_seconds"].default,
               help="With --follow: seconds between two reads of the synth dataset's files.")
 @click.option("--disk-budget", type=DiskSize(), default=None,
               help="With --follow: before each shard, wait while the shards not yet consumed by training "

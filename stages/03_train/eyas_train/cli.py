@@ -7,7 +7,7 @@ from pathlib import Path
 
 import click
 
-from eyas_common.cli_errors import EyasGroup
+from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.prompts import PROMPTS_HELP
 from eyas_train.config import TrainConfig
 
@@ -28,8 +28,8 @@ def main() -> None:
               help="Draft vocabulary size in tokens (capped at the target's).")
 @click.option("--ttt-steps", type=click.IntRange(min=1), default=D["ttt_steps"].default,
               help="Unrolled draft steps per position (training-time test).")
-@click.option("--step-decay", type=click.FloatRange(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
-@click.option("--epochs", type=click.FloatRange(min=0), default=None,
+@click.option("--step-decay", type=Finite(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
+@click.option("--epochs", type=Finite(min=0), default=None,
               help="Passes over the training samples (may be fractional); 0 exports the untrained draft. "
                    "[default: from the rule: 1 to --max-epochs, at least --min-steps steps]")
 @click.option("--batch-size", type=click.IntRange(min=1), default=None,
@@ -39,7 +39,7 @@ def main() -> None:
 @click.option("--batching", type=click.Choice(["packed", "padded"]), default=D["batching"].default,
               help="Rows of a step: its samples packed end to end (attention kept within each sample, no "
                    "padding computed) or one right-padded sample per row. Same samples and loss either way.")
-@click.option("--lr", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--lr", type=Finite(min=0, min_open=True), default=None,
               help="AdamW peak learning rate. [default: from the rule: 3e-3 x 128/width, lower below 256 tokens "
                    "a step]")
 @click.option("--warmup-steps", type=click.IntRange(min=0), default=None,
@@ -62,8 +62,8 @@ def main() -> None:
               help="Stop after this many validations without a better predicted acceptance length (the "
                    "validation samples replayed as vLLM decodes them); 0: never stop early. The best validated "
                    "draft is the one exported.")
-@click.option("--weight-decay", type=click.FloatRange(min=0), default=D["weight_decay"].default, help="AdamW weight decay.")
-@click.option("--grad-clip", type=click.FloatRange(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
+@click.option("--weight-decay", type=Finite(min=0), default=D["weight_decay"].default, help="AdamW weight decay.")
+@click.option("--grad-clip", type=Finite(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,
               help="Residual of the draft layer: hidden_norm(h) (before) or h (after, EAGLE-3/SGLang layout).")
 @click.option("--seed", type=click.IntRange(min=0), default=D["seed"].default, help="Init and data-order seed.")
@@ -77,7 +77,7 @@ def main() -> None:
 @click.option("--follow", is_flag=True,
               help="Train while `eyas-extract run --follow` still writes the hidden dataset, taking each shard "
                    "once it is final (implies --order shards).")
-@click.option("--poll-seconds", type=click.FloatRange(min=0, min_open=True), default=D["poll_seconds"].default,
+@click.option("--poll-seconds", type=Finite(min=0, min_open=True), default=D["poll_seconds"].default,
               help="--follow: seconds between looks at the hidden manifest.")
 @click.option("--consume", is_flag=True,
               help="--order shards: delete each hidden shard at the first checkpoint after its last use, marked "
@@ -112,7 +112,7 @@ def main() -> None:
               help="DFlash: decoder layers of the draft.  [default: target layers / 8, rounded up, 3 to 5]")
 @click.option("--anchors", type=click.IntRange(min=1), default=D["anchors"].default,
               help="DFlash: most blocks drawn per sample and step (anchors among its completion tokens).")
-@click.option("--gamma", type=click.FloatRange(min=0, min_open=True), default=None,
+@click.option("--gamma", type=Finite(min=0, min_open=True), default=None,
               help="DFlash: slot j's loss weight is exp(-(j-1)/GAMMA).  [default: 7 for blocks of 16, 5 for 10, 4 "
                    "for 8 and below]")
 @click.option("--mask-token-id", type=click.IntRange(min=0), default=None,

@@ -3,29 +3,17 @@
 from __future__ import annotations
 
 import json
-import math
 import sys
 from pathlib import Path
 from urllib.parse import urlsplit
 
 import click
 
-from eyas_common.cli_errors import EyasGroup
+from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.prompts import PROMPTS_HELP
 from eyas_serve.config import ENGINES, LaunchConfig
 
 L = LaunchConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
-
-
-class Finite(click.FloatRange):
-    """A FloatRange that refuses nan and inf: click's range check lets nan through (every comparison with it is
-    false), and a nan temperature or timeout only fails later, deep in a request or a wait that never ends."""
-
-    def convert(self, value, param, ctx):  # type: ignore[no-untyped-def]
-        rv = super().convert(value, param, ctx)
-        if not math.isfinite(rv):
-            self.fail(f"{value!r}: expected a finite number", param, ctx)
-        return rv
 
 
 def _url(ctx: click.Context, param: click.Parameter, value: str | None) -> str | None:
