@@ -41,6 +41,13 @@ def test_refs_parse_and_refuse(tmp_path):
             Dataset.parse(bad, root=tmp_path)
     with pytest.raises(DatasetError, match="is a synth dataset"):
         Dataset.parse("synth/x", "hidden", root=tmp_path)
+    # a path to the folder: taken under this root (trailing slash too), else the EYAS_DATA that reaches it is named
+    assert Dataset.parse(f"{tmp_path}/drafts/d/", "drafts", root=tmp_path).ref == "drafts/d"
+    with pytest.raises(DatasetError, match=re.escape(f"'/srv/eyas/drafts/d' is not under the data root (EYAS_DATA="
+                                                     f"{tmp_path}): set EYAS_DATA=/srv/eyas and name it drafts/d")):
+        Dataset.parse("/srv/eyas/drafts/d", "drafts", root=tmp_path)
+    with pytest.raises(DatasetError, match=r"'/tmp' is a path, not a dataset reference: name a dataset KIND/NAME"):
+        Dataset.parse("/tmp", "drafts", root=tmp_path)   # was drafts/tmp
 
 
 def test_manifest_complete_roundtrip_and_lineage(tmp_path):

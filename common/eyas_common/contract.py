@@ -74,9 +74,14 @@ class Dataset:
 
     @classmethod
     def parse(cls, ref: str, kind: str | None = None, root: Path | None = None) -> "Dataset":
-        """`synth/x` or, when `kind` is given, plain `x`; refuses names that leave the root."""
+        """`synth/x` or, when `kind` is given, plain `x`; refuses names that leave the root. A path to the folder
+        (`/data/synth/x`, `./synth/x`) is taken where it is that dataset under this root, else refused naming the
+        EYAS_DATA and reference that reach it."""
         root = Path(root) if root is not None else data_root()
-        parts = ref.strip("/").split("/")
+        body = ref.rstrip("/")
+        if body.startswith(("/", "./", "../", "~")) or body.count("/") > 1:
+            return cls._from_path(body, kind, root)
+        parts = body.split("/")
         if len(parts) == 1 and kind is not None:
             parts = [kind, parts[0]]
         if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
@@ -89,6 +94,18 @@ class Dataset:
         if kind is not None and parts[0] != kind:
             raise DatasetError(f"{ref!r} is a {parts[0]} dataset, but a {kind} dataset is needed here")
         return cls(root.absolute(), parts[0], parts[1])
+
+    @classmethod
+    def _from_path(cls, ref: str, kind: str | None, root: Path) -> "Dataset":
+        path, root = Path(os.path.abspath(Path(ref).expanduser())), root.absolute()
+        if len(path.parts) < 3 or path.parent.name not in SCHEMAS:
+            raise DatasetError(f"{ref!r} is a path, not a dataset reference: name a dataset KIND/NAME under the data "
+                               f"root (EYAS_DATA={root}), e.g. {kind or 'synth'}/NAME")
+        short = f"{path.parent.name}/{path.name}"
+        if path.parent.parent.resolve() != root.resolve():
+            raise DatasetError(f"{ref!r} is not under the data root (EYAS_DATA={root}): set EYAS_DATA="
+                               f"{path.parent.parent} and name it {short}")
+        return cls.parse(short, kind, root)
 
     @property
     def ref(self) -> str:
