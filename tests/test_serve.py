@@ -423,6 +423,7 @@ def _error_line(r: subprocess.CompletedProcess) -> str:
                                                                                 "the --server itself"),
     (["--server", "http://127.0.0.1:1", "--temperature", "nan"], "'--temperature': 'nan': expected a finite number"),
     (["--server", "http://127.0.0.1:1", "--timeout", "inf"], "'--timeout': 'inf': expected a finite number"),
+    (["--server", "http://127.0.0.1:1", "--num-prompts", "1000000000000"], "1000000000000 is not in the range"),
 ])
 def test_bench_refuses_a_bad_url_or_number_before_any_request(args, says, tmp_path):
     """A URL without its scheme read as a server that does not answer, a malformed one and a nan temperature or
@@ -431,6 +432,16 @@ def test_bench_refuses_a_bad_url_or_number_before_any_request(args, says, tmp_pa
     prompts.write_text("hello\n")
     r = serve_cli(tmp_path, "bench", "--prompts", str(prompts), "--name", "b", *args)
     assert r.returncode == 2 and says in _error_line(r), r.stderr
+    assert not (tmp_path / "bench").exists()
+
+
+def test_bench_names_a_bad_draft_or_name_before_asking_the_server(tmp_path):
+    """The datasets are checked before any server is asked: with the server down too, the draft is named."""
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hello\n")
+    r = serve_cli(tmp_path, "bench", "--prompts", str(prompts), "--name", "b", "--server", "http://127.0.0.1:1",
+                  "--draft", "drafts/missing")
+    assert r.returncode == 1 and "drafts/missing" in _error_line(r) and "127.0.0.1:1" not in r.stderr, r.stderr
     assert not (tmp_path / "bench").exists()
 
 

@@ -78,13 +78,21 @@ def start(name: str, *, draft: str | None, params: dict[str, Any], root: Path | 
     A complete bench/NAME is refused: a benchmark is a record of one run, rerunning it makes a new one.
     A partial one (an interrupted run) is started again from scratch.
     """
+    out, manifest = check_start(name, draft=draft, params=params, root=root)
+    out.path.mkdir(parents=True, exist_ok=True)
+    (out.path / RESULTS).unlink(missing_ok=True)  # a partial run's leftovers are not results
+    out.write_manifest(manifest)
+    return out, manifest
+
+
+def check_start(name: str, *, draft: str | None, params: dict[str, Any], root: Path | None = None
+                ) -> tuple[Dataset, dict[str, Any]]:
+    """start's checks, writing nothing: a bad or complete bench/NAME and a missing, partial or edited draft are
+    refused here, which a bench calls before it asks any server (so they are named at once, server up or not)."""
     out = Dataset.parse(name, "bench", root)
     draft_ds, draft_m = open_input(draft, "drafts", root=root) if draft else (None, None)
     manifest = open_output(out, stage=STAGE, params=params, may_change=(), target=(draft_m or {}).get("target"),
                            inputs=lineage(draft_ds, draft_m), resume=False)
-    out.path.mkdir(parents=True, exist_ok=True)
-    (out.path / RESULTS).unlink(missing_ok=True)  # a partial run's leftovers are not results
-    out.write_manifest(manifest)
     return out, manifest
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import click
 import httpx
 
-from eyas_common.bench import PLOT, STAGE, start, write_results
+from eyas_common.bench import PLOT, STAGE, check_start, start, write_results
 from eyas_common.contract import Dataset, sha256_file
 from eyas_common.lock import WriterLock
 from eyas_common.procs import sigterm_as_interrupt
@@ -134,6 +134,7 @@ def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, d
                       baseline=baseline, draft=draft, concurrency=tuple(concurrency), num_prompts=num_prompts,
                       max_tokens=max_tokens, temperature=temperature, timeout_s=timeout_s, warmup=warmup)
     work = [conversations[i % len(conversations)] for i in range(num_prompts or len(conversations))]
+    check_start(name, draft=draft, params=cfg.to_dict(), root=data_root)  # the datasets first: no server asked
     target, base = Server(server, engine), (Server(baseline, engine) if baseline else None)
     # one writer per bench/NAME; SIGTERM (docker stop) stops a run as Ctrl-C does: partial, never results
     with sigterm_as_interrupt(), WriterLock(Dataset.parse(name, "bench", data_root), stage=STAGE):

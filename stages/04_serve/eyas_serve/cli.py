@@ -108,8 +108,8 @@ def _levels(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int
 @click.option("--draft", default=None, help="drafts/NAME the server runs: lineage in the manifest.")
 @click.option("--concurrency", default="1,4,16", callback=_levels,
               help="Requests in flight, comma-separated levels, each measured in turn.")
-@click.option("--num-prompts", type=click.IntRange(min=0), default=0,
-              help="Requests per level (prompts reused in order); 0 = every prompt once.")
+@click.option("--num-prompts", type=click.IntRange(0, 100_000), default=0,
+              help="Requests per level (prompts reused in order), at most 100,000; 0 = every prompt once.")
 @click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Completion budget per request, tokens.")
 @click.option("--temperature", type=Finite(min=0), default=0.0,
               help="Sampling temperature; 0 (greedy) makes acceptance a property of the draft alone.")
