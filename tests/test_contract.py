@@ -386,3 +386,17 @@ def test_every_stage_refuses_a_number_that_is_not_finite(stage, command, option,
     (click checks the options in the order given, so this one comes before the missing required ones)."""
     r = CliRunner().invoke(importlib.import_module(stage).main, [command, option, value])
     assert r.exit_code == 2 and f"'{option}': '{value}': expected a finite number" in r.output, r.output
+
+
+def test_a_dataset_is_not_taken_for_another_whose_name_it_begins(tmp_path):
+    """A name may hold dots: `a`'s locks are `.a.lock` and `.a.worker-W-of-N.lock`; `.a.b.lock` is dataset a.b's,
+    and a writer of a.b neither blocks `eyas-data rm hidden/a` nor counts as a split of `a`."""
+    from eyas_common.lock import WriterLock, any_holder, lock_parts, worker_part
+
+    a, ab = Dataset.parse("a", "hidden", tmp_path), Dataset.parse("a.b", "hidden", tmp_path)
+    (tmp_path / "hidden").mkdir()
+    with WriterLock(ab, stage="t"), WriterLock(ab, stage="t", part=worker_part(0, 2)):
+        assert lock_parts(a) == [] and any_holder(a) is None
+        with WriterLock(a, stage="t", part=worker_part(1, 2)):
+            assert lock_parts(a) == ["worker-1-of-2"] and any_holder(a)["pid"] == os.getpid()
+        assert lock_parts(ab) == ["", "worker-0-of-2"]

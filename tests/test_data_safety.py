@@ -20,7 +20,7 @@ from click.testing import CliRunner
 from eyas_common.cli import main as data_cli
 from eyas_common.contract import Dataset, DatasetError, JsonlAppender, iter_jsonl, repair_jsonl, verify
 from eyas_common.hidden import open_hidden, shard_name
-from eyas_common.lock import WriterLock, any_holder, holder, lock_paths
+from eyas_common.lock import WriterLock, any_holder, holder, lock_parts
 from eyas_common.samples import FAILURES, SAMPLES
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.stub import start_stub
@@ -424,9 +424,9 @@ def test_rm_refuses_a_dataset_a_live_writer_holds(tmp_path, monkeypatch):
             proc.kill()
             proc.wait()
     # a killed writer's lock (its record still there) does not block, and goes with the dataset
-    assert lock_paths(ds) and any_holder(ds) is None
+    assert lock_parts(ds) and any_holder(ds) is None
     r = CliRunner().invoke(data_cli, ["rm", ds.ref, "--yes"])
-    assert r.exit_code == 0 and not ds.path.exists() and lock_paths(ds) == [], r.output
+    assert r.exit_code == 0 and not ds.path.exists() and lock_parts(ds) == [], r.output
 
 
 # ------------------------------------------------------------------------------------------------

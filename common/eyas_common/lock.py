@@ -15,12 +15,12 @@ from __future__ import annotations
 import fcntl
 import json
 import os
+import re
 import socket
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
-from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso
@@ -138,15 +138,28 @@ def holder(ds: Dataset, part: str = "") -> dict[str, Any] | None:
         os.close(fd)
 
 
-def lock_paths(ds: Dataset) -> list[Path]:
-    """The writer lock files of `ds` there are: its own and each part's."""
-    return sorted(lock_file(ds).parent.glob(f".{ds.name}.*lock"))
+# The one kind of part: worker W of a split over N (extract's --shard parts x torchrun ranks).
+WORKER_PART = re.compile(r"worker-(\d+)-of-(\d+)")
+
+
+def worker_part(worker: int, workers: int) -> str:
+    return f"worker-{worker}-of-{workers}"
+
+
+def lock_parts(ds: Dataset) -> list[str]:
+    """The parts of `ds` whose lock files there are ("" for its own lock). Matched exactly, not by prefix: a
+    name may hold dots, and dataset `a` must not take `.a.b.lock` (dataset a.b's) for one of its own."""
+    prefix, found = f".{ds.name}.", []
+    for path in sorted(lock_file(ds).parent.glob(f"{prefix}*lock")):
+        part = path.name[len(prefix):-len(".lock")] if path.name != f"{prefix}lock" else ""
+        if not part or WORKER_PART.fullmatch(part):
+            found.append(part)
+    return found
 
 
 def any_holder(ds: Dataset) -> dict[str, Any] | None:
     """Who writes `ds` now under any part's lock (extract's workers each hold their own), or None."""
-    for path in lock_paths(ds):
-        part = path.name[len(ds.name) + 2:-len(".lock")]
+    for part in lock_parts(ds):
         if (h := holder(ds, part)) is not None:
             return h
     return None
@@ -167,7 +180,7 @@ def refuse_if_written(ds: Dataset) -> None:
 def held_for_removal(ds: Dataset) -> Iterator[None]:
     """Hold every writer lock of `ds` while the caller deletes its folder, then delete the lock files: no writer
     can start meanwhile. Refused, naming the holder, while a live writer holds any of them."""
-    paths = sorted({lock_file(ds), *lock_paths(ds)})
+    paths = sorted({lock_file(ds), *(lock_file(ds, part) for part in lock_parts(ds))})
     fds: list[int] = []
     try:
         for path in paths:

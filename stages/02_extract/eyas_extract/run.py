@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import functools
 import queue
-import re
 import shutil
 import socket
 import sys
@@ -34,7 +33,7 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, ch
 from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
                                 mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, shard_problem,
                                 update_manifest, write_run)
-from eyas_common.lock import WriterLock, describe, holder, lock_paths
+from eyas_common.lock import WORKER_PART, WriterLock, describe, holder, lock_parts, worker_part
 from eyas_common.methods import default_layers
 from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
 from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_note
@@ -266,25 +265,18 @@ def run(options: ExtractOptions | None = None, *, data_root: Path | None = None,
     return stats | {"dataset": finalize_dataset(job.ds.name, data_root=data_root)}
 
 
-def worker_part(worker: int, workers: int) -> str:
-    """The lock part of worker W of N (eyas_common.lock): one lock per worker of a split."""
-    return f"worker-{worker}-of-{workers}"
-
-
 def _refuse_other_split(job: Job) -> None:
     """The workers of one split (--shard I/N x torchrun ranks = worker W of N) run side by side, each under its
     own lock; a live worker of another split (another N) owns some of the same shards, so a run beside it would
     make them twice and clear its temp files as its own. Checked once this run holds its lock: of two runs
     started together, at least the second sees the first."""
-    pattern = re.compile(rf"\.{re.escape(job.ds.name)}\.worker-\d+-of-(\d+)\.lock")
-    for path in lock_paths(job.ds):
-        found = pattern.fullmatch(path.name)
-        if not found or int(found[1]) == job.workers:
+    for part in lock_parts(job.ds):
+        found = WORKER_PART.fullmatch(part)
+        if not found or int(found[2]) == job.workers:
             continue
-        part = path.name[len(job.ds.name) + 2:-len(".lock")]
         if (other := holder(job.ds, part)) is not None:
             raise DatasetError(
-                f"{job.ds.ref} is being written by {describe(other)} as {part} (its shards split over {found[1]} "
+                f"{job.ds.ref} is being written by {describe(other)} as {part} (its shards split over {found[2]} "
                 f"worker(s): --shard parts x torchrun ranks); this run splits them over {job.workers}, so the two "
                 f"would make the same shards: wait for it to end, or run this one with the same split")
 
