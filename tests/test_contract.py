@@ -91,6 +91,10 @@ def test_target_mismatch_refused(tmp_path):
         contract.check_target(ds, m, {"tokenizer_sha256": "a", "chat_template_sha256": "other", "model": "/m"})
     with pytest.raises(DatasetError, match="the tokenizer"):
         contract.check_target(ds, m, {"tokenizer_sha256": "zz", "chat_template_sha256": "b"})
+    # a manifest with no fingerprint (edited, or another tool's) says so, not "made with (None; None vs a)"
+    with pytest.raises(DatasetError, match=r"synth/d1: .*manifest.json records no `target.tokenizer_sha256`, so "
+                                           r"nothing shows which target it was made for; remake it: `eyas-data rm"):
+        contract.check_target(ds, {**m, "target": {}}, {"tokenizer_sha256": "a", "chat_template_sha256": "b"})
 
 
 def test_verify_detects_corruption(tmp_path):

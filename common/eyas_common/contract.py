@@ -686,6 +686,9 @@ def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, A
         raise DatasetError(f"{ds.ref}: {ds.manifest_path}: `target` is a JSON {json_type(made)}, expected the "
                            f"target's fingerprint (an object); it was edited; {remake_fix(ds)}")
     for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
+        if fingerprint.get(key) and not made.get(key):  # every stage records both: edited, or another tool's
+            raise DatasetError(f"{ds.ref}: {ds.manifest_path} records no `target.{key}`, so nothing shows which "
+                               f"target it was made for; {remake_fix(ds)}")
         if made.get(key) != fingerprint.get(key):
             raise DatasetError(
                 f"{ds.ref}: the {what} loaded from {fingerprint.get('model')} does not match the one the "
