@@ -146,6 +146,7 @@ def test_a_budget_named_in_a_refusal_reads_back_as_at_least_the_bytes_it_names()
         text = size_text(n)
         assert parse_size(text) >= n and parse_size(text) <= n * 1.01 + 1, (n, text)
     assert size_text(1_640_000) == "1.64M" and size_text(313_001) == "314K" and parse_size("1.5GB") == 1_500_000_000
+    assert parse_size("5GiB") == 5 * 2**30 and parse_size("2ki") == 2048 and parse_size("1.5 MiB") == 1_572_864
     with pytest.raises(ValueError, match="not a size: expected e.g. 50G"):
         parse_size("lots")
 

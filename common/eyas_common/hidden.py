@@ -94,17 +94,18 @@ def read_runs(ds: Dataset) -> list[dict[str, Any]]:
 BUDGET_WAIT = "budget_wait"  # manifest key, present while extract waits for room under its --disk-budget
 CONSUMED = "consumed"  # the mark on a `files` entry whose shard a training run deleted after its last use
 SIZE_UNITS = {"T": 10**12, "G": 10**9, "M": 10**6, "K": 10**3, "": 1}  # decimal, as disks are sold
+BINARY_UNITS = {"TI": 2**40, "GI": 2**30, "MI": 2**20, "KI": 2**10}  # GiB and kin, as df -h and RAM count
 
 
 def parse_size(text: str) -> int:
-    """Bytes of a --disk-budget value: 50G, 500M, 2T, 1.5GB or a plain number (G = 10^9 bytes). ValueError
-    names what was expected."""
+    """Bytes of a --disk-budget value: 50G, 500M, 2T, 1.5GB, 40GiB or a plain number (G = 10^9 bytes, Gi =
+    2^30). ValueError names what was expected."""
     body = str(text).strip().upper().removesuffix("B")
-    unit = body[-1:] if body[-1:] in SIZE_UNITS else ""
+    unit = next((u for u in BINARY_UNITS if body.endswith(u)), body[-1:] if body[-1:] in SIZE_UNITS else "")
     try:
-        return int(float(body[: len(body) - len(unit)]) * SIZE_UNITS[unit])
+        return int(float(body[: len(body) - len(unit)]) * (BINARY_UNITS.get(unit) or SIZE_UNITS[unit]))
     except (ValueError, OverflowError):  # OverflowError: inf, or a number too large for a float (1e400)
-        raise ValueError(f"{text!r} is not a size: expected e.g. 50G, 500M, 2T or a number of bytes") from None
+        raise ValueError(f"{text!r} is not a size: expected e.g. 50G, 500M, 2T, 40GiB or a number of bytes") from None
 
 
 def size_text(n: float) -> str:

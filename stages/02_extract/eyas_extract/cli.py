@@ -123,8 +123,8 @@ def main() -> None:
               help="With --follow: seconds between two reads of the synth dataset's files.")
 @click.option("--disk-budget", type=DiskSize(), default=None,
               help="With --follow: before each shard, wait while the shards not yet consumed by training "
-                   "(eyas-train run --follow --consume) and the next one would exceed SIZE (50G, 500M, 2T or "
-                   "bytes; decimal units).  [default: no limit]")
+                   "(eyas-train run --follow --consume) and the next one would exceed SIZE (50G, 500M, 2T: "
+                   "decimal units; 40GiB: binary; or bytes).  [default: no limit]")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.
