@@ -264,17 +264,18 @@ def test_report_refuses_damaged_results_in_one_line_with_the_fix_that_works(dama
     assert start("b", draft=None, params={}, root=tmp_path)[1]["status"] == "partial"
 
 
-def test_a_bench_whose_baseline_produced_no_tokens_finishes_without_a_speedup(tmp_path, capsys):
+def test_a_bench_whose_baseline_produced_no_tokens_finishes_without_a_speedup(tmp_path, capsys, monkeypatch):
     """No baseline tokens/s to divide by: the speedup is null, printed as n/a with the reason, and the bench
     is complete (it crashed on formatting the null, leaving bench/b partial)."""
     from eyas_serve.bench import run as run_bench
     from eyas_testing.stub import start_stub, vllm_body
 
-    prompts = tmp_path / "p.txt"
-    prompts.write_text("a question\n")
+    (tmp_path / "p.txt").write_text("a question\n")
+    monkeypatch.chdir(tmp_path)
     with start_stub() as server, start_stub(answer=lambda payload: vllm_body("", [1, 2], [])) as empty:
-        results = run_bench(server=server.url, baseline=empty.url, engine="vllm", prompts=prompts, name="b",
+        results = run_bench(server=server.url, baseline=empty.url, engine="vllm", prompts=Path("p.txt"), name="b",
                             concurrency=(1,), warmup=0, max_tokens=8, data_root=tmp_path)
+    assert results["prompts"] == str(tmp_path / "p.txt")   # as given, "p.txt" read from nowhere later
     assert results["levels"][0]["baseline"]["tokens_per_s"] == 0 and results["levels"][0]["speedup"] is None
     assert "speedup n/a (baseline produced no tokens)" in capsys.readouterr().err
     _, manifest, back = read_results("bench/b", root=tmp_path)

@@ -127,6 +127,7 @@ def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, d
         data_root: Path | None = None) -> dict[str, Any]:
     """Measure, write bench/NAME (results.json, bench.png, manifest) and return the results."""
     conversations = load_prompts(prompts)  # refuses an unusable file naming its line
+    prompts = Path(prompts).absolute()  # recorded as a path that reads the same from any working directory
     if baseline is not None and baseline.rstrip("/") == server.rstrip("/"):
         raise click.UsageError(f"--baseline {baseline} is the --server itself: the speedup needs the same target "
                                f"served without a draft, on another port (`eyas-serve launch --model T --port ...`)")
