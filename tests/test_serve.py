@@ -527,17 +527,22 @@ def test_bench_refuses_an_engine_the_server_does_not_run_before_writing(tmp_path
         server.counters()
 
 
-def test_a_level_where_every_request_failed_leaves_the_bench_partial(tmp_path):
+@pytest.mark.parametrize("fault, says", [
+    ("500", r"HTTP 500: .*injected 500"),
+    ("no_stream", r"the answer came without a stream \(no `data:` lines\): the server ignored stream=true"),
+])
+def test_a_level_where_every_request_failed_leaves_the_bench_partial(fault, says, tmp_path):
     """Every request refused (a --max-tokens beyond the context, a server failing) was written as a complete
-    bench of errors, exit 0; it now stops with the server's own message and bench/b stays partial."""
+    bench of errors, exit 0; it now stops with the server's own message and bench/b stays partial. A server
+    that answers a streamed request in one body was measured as 0 tokens/s without an error."""
     from eyas_serve.bench import run as run_bench
     from eyas_testing.stub import Faults, start_stub
 
     prompts = tmp_path / "p.txt"
     prompts.write_text("a question\n")
-    with start_stub(faults=Faults({"500": 1.0})) as stub:
+    with start_stub(faults=Faults({fault: 1.0})) as stub:
         with pytest.raises(ConnectionError, match=rf"{re.escape(stub.url)}: all 1 requests at 1 in flight failed, "
-                                                  r"e\.g\. HTTP 500: .*injected 500.*bench/b stays partial"):
+                                                  rf"e\.g\. {says}.*bench/b stays partial"):
             run_bench(server=stub.url, engine="vllm", prompts=prompts, name="b", concurrency=(1,), warmup=0,
                       max_tokens=8, data_root=tmp_path)
     assert Dataset.parse("b", "bench", tmp_path).read_manifest()["status"] == "partial"

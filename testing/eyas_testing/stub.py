@@ -3,7 +3,7 @@
 Raw `asyncio.Protocol` over HTTP/1.1 keep-alive: no framework, so one core serves several times what
 any Python client can send, and a benchmark measures the client rather than the stub.
 
-Routes: POST /v1/chat/completions, GET /health, GET /v1/models, GET /metrics (vLLM's, with no draft's
+Routes: POST /v1/chat/completions (streamed as server-sent events when asked, as vLLM does), GET /health, GET /v1/models, GET /metrics (vLLM's, with no draft's
 counters), and GET /stats (what was served, per outcome, as JSON; not counted itself). Chat answers come
 from an `answer(payload) -> body` callable; the body is vLLM's `return_token_ids` shape (see
 `vllm_body`), and like vLLM the ids are dropped unless the request asks for them. A payload without a
@@ -15,6 +15,7 @@ Faults, drawn once per chat request from a seeded RNG (rates are probabilities, 
     hang           never answers; the client's timeout must end it
     bad_json       200 with a truncated JSON body
     no_ids         200 with valid JSON but text only (no prompt_token_ids / token_ids)
+    no_stream      200 with the whole answer as one JSON body, though the request asked for a stream
     drop           the connection is closed without a response
 
 Use in-process (`start_stub`: its own event loop on a thread, for tests) or as a separate process
@@ -44,7 +45,7 @@ from typing import Any
 
 Answer = Callable[[dict[str, Any]], dict[str, Any]]
 
-FAULT_KINDS = ("500", "503", "429", "hang", "bad_json", "no_ids", "drop")
+FAULT_KINDS = ("500", "503", "429", "hang", "bad_json", "no_ids", "drop", "no_stream")
 # Faults a client must retry; `no_ids` is a valid answer (the caller renders the ids itself).
 RETRYABLE_FAULTS = ("500", "503", "429", "hang", "bad_json", "drop")
 
@@ -94,13 +95,25 @@ class Faults:
         return cls(rates={k: total / len(kinds) for k in kinds}, **kw)
 
 
-def _response(status: int, body: bytes, extra_headers: str = "", close: bool = False) -> bytes:
+def _response(status: int, body: bytes, extra_headers: str = "", close: bool = False,
+              content_type: str = "application/json") -> bytes:
     """A raw HTTP/1.1 response; `extra_headers` are complete `name: value\r\n` lines."""
     if close:
         extra_headers += "connection: close\r\n"
     head = (f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-            f"content-type: application/json\r\ncontent-length: {len(body)}\r\n{extra_headers}\r\n")
+            f"content-type: {content_type}\r\ncontent-length: {len(body)}\r\n{extra_headers}\r\n")
     return head.encode("latin-1") + body
+
+
+def sse_body(out: dict[str, Any], include_usage: bool) -> bytes:
+    """A chat completion as vLLM streams it for `"stream": true`: the message as one delta, then (asked for
+    with stream_options.include_usage) a chunk with the usage alone, then `data: [DONE]`."""
+    choice, head = out["choices"][0], {"id": out["id"], "object": "chat.completion.chunk", "model": out["model"]}
+    delta = {"role": "assistant", **{k: v for k, v in choice["message"].items() if k != "role" and v is not None}}
+    chunks = [head | {"choices": [{"index": 0, "delta": delta, "finish_reason": choice["finish_reason"]}]}]
+    if include_usage:
+        chunks.append(head | {"choices": [], "usage": out["usage"]})
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
 
 
 def _error(status: int, message: str) -> bytes:
@@ -186,6 +199,9 @@ class Stub:
         if fault == "no_ids" or not payload.get("return_token_ids"):
             out = {k: v for k, v in out.items() if k != "prompt_token_ids"}
             out["choices"] = [{k: v for k, v in c.items() if k != "token_ids"} for c in out["choices"]]
+        if payload.get("stream") and fault != "no_stream":
+            usage = bool((payload.get("stream_options") or {}).get("include_usage"))
+            return fault or "ok", _response(200, sse_body(out, usage), content_type="text/event-stream")
         return fault or "ok", _response(200, json.dumps(out).encode())
 
 

@@ -49,7 +49,7 @@ def _has_text(chunk: dict[str, Any]) -> bool:
 
 async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any]) -> RequestResult:
     t0 = time.perf_counter()
-    ttft, tokens = None, 0
+    ttft, tokens, streamed = None, 0, False
     try:
         async with client.stream("POST", f"{url}/v1/chat/completions", json=body) as r:
             if r.status_code != 200:
@@ -57,7 +57,7 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
             async for line in r.aiter_lines():
                 if not line.startswith("data:"):
                     continue
-                data = line[5:].strip()
+                streamed, data = True, line[5:].strip()
                 if data == "[DONE]":
                     break
                 chunk = json.loads(data)
@@ -70,6 +70,9 @@ async def one_request(client: httpx.AsyncClient, url: str, body: dict[str, Any])
     except (ValueError, TypeError, AttributeError) as e:  # a chunk that is not an OpenAI one: this request failed,
         # not the whole level (one such answer would otherwise end the bench in a traceback)
         return RequestResult(False, error=f"malformed stream chunk ({type(e).__name__}: {e})")
+    if not streamed:  # a whole answer at once: no first-token time, no usage chunk, so nothing to measure
+        return RequestResult(False, error="the answer came without a stream (no `data:` lines): the server "
+                                          "ignored stream=true; measure a vLLM or SGLang server")
     latency = time.perf_counter() - t0
     return RequestResult(True, ttft if ttft is not None else latency, latency, tokens)
 
