@@ -300,7 +300,7 @@ async def report_silence(pool: ChatPool, say: Callable[[str], None], first_s: fl
     2x, 4x, ... of it) with requests in flight, `say`s how long, and whether each server still answers
     /v1/models. A frozen progress bar cannot tell a server busy with long completions from one that
     hangs, and each request may wait the whole --timeout before it fails."""
-    next_s, tick = first_s, min(5.0, first_s / 4)
+    next_s, tick = first_s, min(5.0, max(first_s / 4, 0.05))   # a few checks per silence, not a busy loop
     while True:
         await asyncio.sleep(tick)
         quiet, in_flight = pool.quiet()
