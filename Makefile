@@ -97,7 +97,8 @@ NCCL_VARS := NCCL_P2P_DISABLE NCCL_IB_DISABLE NCCL_SOCKET_IFNAME NCCL_DEBUG
 $(foreach v,$(NCCL_VARS),$(if $($(v)),$(eval export $(v))))
 RDZV_PORT ?= 29500
 RDZV_ID   ?= eyas-$(NAME)
-# clean-remote / rm-data: DATASET=KIND/NAME, YES=1 to really delete (clean-remote); ARGS for run-STAGE
+# clean-remote / rm-data: DATASET=KIND/NAME, YES=1 to delete without a dry run (clean-remote) or without asking
+# (rm-data); ARGS for run-STAGE
 DATASET ?=
 YES     ?=
 ARGS    ?=
@@ -174,7 +175,8 @@ BASE_BUILD_ARGS = --build-arg BASE_OS=$(BASE_OS) --build-arg CUDA_DEVEL=$(CUDA_D
   --build-arg FLASH_ATTN_VERSION=$(FLASH_ATTN_VERSION) --build-arg MAX_JOBS=$(MAX_JOBS)
 # stage 04 serves on the engine's own image on cu128; on cpu it gets the cpu base (its HTTP benchmark runs)
 STAGE_BASE_serve ?= $(if $(filter cu128,$(VARIANT)),vllm/vllm-openai:v$(VLLM_VERSION))
-STAGE_BUILD_ARGS_extract = --build-arg WITH_VLLM=$(EXTRACT_WITH_VLLM) --build-arg VLLM_PIN=vllm==$(VLLM_VERSION)
+STAGE_BUILD_ARGS_extract = --build-arg WITH_VLLM=$(if $(filter 1 yes true,$(EXTRACT_WITH_VLLM)),1,0) \
+  --build-arg VLLM_PIN=vllm==$(VLLM_VERSION)
 
 # --- refusals before anything runs -------------------------------------------------------------------------
 # make splits values at spaces (a path with one would become two arguments, or two mounts)
@@ -185,6 +187,35 @@ $(if $(SPACED_KNOB),$(error $(SPACED_KNOB)='$($(SPACED_KNOB))' holds a space, wh
 $(if $(filter-out local docker,$(RUNNER)),\
   $(error RUNNER=$(RUNNER): use RUNNER=local (.venv), RUNNER=docker (this machine) or HOST=user@name[:port]))
 $(if $(filter-out cu128 cpu,$(VARIANT)),$(error VARIANT=$(VARIANT): use VARIANT=cu128 or VARIANT=cpu))
+# $(call shq,TEXT): TEXT as one single-quoted shell word
+shq        = '$(subst ','\'',$(1))'
+# $(call drop_chars,TEXT,CHARS): TEXT without any of the (space-separated) CHARS
+drop_chars = $(if $(2),$(call drop_chars,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
+# on/off knobs: 1, yes, true turn one on; empty, 0, no, false leave it off; anything else (on, TRUE) is refused,
+# not read as off in silence
+BOOL_KNOBS := FOLLOW PROMPT_LOOKUP TRUST_REMOTE_CODE YES EXTRACT_WITH_VLLM
+BAD_BOOL := $(firstword $(foreach k,$(BOOL_KNOBS),$(if $(filter-out 0 1 yes no true false,$($(k))),$(k))))
+$(if $(BAD_BOOL),$(error $(BAD_BOOL)='$($(BAD_BOOL))': use $(BAD_BOOL)=1 to turn it on, $(BAD_BOOL)=0 (or empty) \
+  to leave it off))
+# NPROC reaches torchrun as it is (0 or a word would stop it with a traceback)
+$(if $(and $(if $(word 2,$(NPROC)),,1),$(if $(call drop_chars,$(NPROC),0 1 2 3 4 5 6 7 8 9),,1),\
+  $(call drop_chars,$(NPROC),0)),,$(error NPROC='$(NPROC)': give the processes per host as a whole number \
+  from 1, e.g. NPROC=8 for one per GPU))
+# the ssh hosts: user@name[:port], a port from 1 to 65535 (ssh would take a bad one as its own words, or the remote
+# command as the host); $(call bad_hosts,LIST): the first word of LIST that is not one
+PORT_RE   := ([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])
+bad_hosts = $(shell printf '%s\n' $(foreach h,$(1),$(call shq,$(h))) | \
+  grep -Evx '([^@:/[:space:]]+@)?[^@:/[:space:]]+(:$(PORT_RE))?' | head -n 1)
+one_host  = $(if $(word 2,$($(1))),$(error $(1)='$($(1))' names $(words $($(1))) hosts; $(1)= takes one \
+  (HOSTS="a b" runs make train on several)))
+host_error = $(if $($(1)),$(call one_host,$(1))$(if $(call bad_hosts,$($(1))),$(error $(1)=$($(1)): not \
+  user@name[:port] with a port from 1 to 65535, e.g. $(1)=ubuntu@gpu-box-1:2222)))
+$(foreach k,HOST SYNTH_HOST EXTRACT_HOST TRAIN_HOST,$(call host_error,$(k)))
+$(if $(HOSTS),$(if $(call bad_hosts,$(HOSTS)),$(error HOSTS='$(HOSTS)': '$(call bad_hosts,$(HOSTS))' is not \
+  user@name[:port] with a port from 1 to 65535, e.g. HOSTS="ubuntu@gpu-a ubuntu@gpu-b:2222")))
+# an empty data root would be the working directory: stages would write synth/, hidden/ ... into it
+$(if $(strip $(EYAS_DATA)),,$(error EYAS_DATA is empty: set it to the data root folder, or leave it out for \
+  the default $(CURDIR)/data))
 # a pattern target names a stage: $(call bad_goals,PREFIX,ALSO ALLOWED) lists the goals PREFIX-X whose X is none
 bad_goals = $(foreach g,$(filter $(1)-%,$(MAKECMDGOALS)),$(if $(filter $(g:$(1)-%=%),$(STAGE_NAMES) $(2)),,$(g)))
 BAD_GOALS := $(call bad_goals,build,base) $(call bad_goals,push) $(call bad_goals,run)
@@ -199,12 +230,10 @@ MODE = $(if $(HOSTS),hosts,$(if $(HOST),ssh,$(RUNNER)))
 LOCAL_DEPS = $(if $(filter local,$(MODE)),install)
 # a path as the container sees it (mounted at the same place); local runs keep the path as given
 path_arg = $(if $(filter local,$(MODE)),$(1),$(abspath $(1)))
-shq      = '$(subst ','\'',$(1))'
 # $(call word_arg,X): X as one shell word of a stage's command line, quoted only when it holds a character a
 # shell reads as its own (SHELL_SAFE are the others); $(call path_word,P): path_arg's path so
 SHELL_SAFE := a b c d e f g h i j k l m n o p q r s t u v w x y z A B C D E F G H I J K L M N O P Q R S T U V W X Y Z \
   0 1 2 3 4 5 6 7 8 9 / . _ + - = : , @ %
-drop_chars = $(if $(2),$(call drop_chars,$(subst $(firstword $(2)),,$(1)),$(wordlist 2,$(words $(2)),$(2))),$(1))
 word_arg   = $(if $(call drop_chars,$(1),$(SHELL_SAFE)),$(call shq,$(1)),$(1))
 path_word  = $(call word_arg,$(call path_arg,$(1)))
 comma   := ,
@@ -239,13 +268,23 @@ pytest  = $(1) $(PY) -m pytest -q -rs --durations=15 $(2) $(PYTEST_ARGS); rc=$$?
   if [ $$rc -eq 5 ]; then echo "pytest collected no tests: failing" >&2; exit 1; fi; exit $$rc
 
 # `make settings`: every ?= knob of this Makefile, then what the settings file alone sets
-KNOBS        = $(call knobs_in,$(SELF)) $(filter-out $(call knobs_in,$(SELF)),$(SETTINGS_VARS))
+MAKEFILE_KNOBS := $(call knobs_in,$(SELF))
+KNOBS        = $(MAKEFILE_KNOBS) $(filter-out $(MAKEFILE_KNOBS),$(SETTINGS_VARS))
 # $(call given_origin,KNOB): "command line" or "environment" when the knob was given there, else empty
 given_origin = $(patsubst environment%,environment,$(filter command line environment%,$(origin $(1))))
 knob_origin  = $(or $(call given_origin,$(1)),$(if $(filter $(1),$(SETTINGS_VARS)),$(SETTINGS),default))
 # a variable given on the command line that is no knob (a typo: CONCURENCY=4) is named, not silently ignored
 GIVEN_UNKNOWN := $(filter-out $(KNOBS),$(foreach v,$(.VARIABLES),$(if $(filter command line,$(origin $(v))),$(v))))
 $(if $(GIVEN_UNKNOWN),$(warning $(GIVEN_UNKNOWN): not a knob of this Makefile, ignored (`make settings` lists them)))
+# a settings file named on the command line (or in the environment) that is not there is refused, and a name the
+# settings file sets that is no knob and that it does not use itself (a typo: CONCURENCY ?= 4) is named
+$(if $(and $(call given_origin,SETTINGS),$(if $(wildcard $(SETTINGS)),,1)),$(error SETTINGS=$(SETTINGS): no such \
+  file; name the settings file there is (settings.example.mk shows its form), or SETTINGS=/dev/null for none))
+VAR_REF_RE      := \$$[({][A-Za-z_][A-Za-z0-9_]*
+SETTINGS_USED    = $(shell grep -o '$(VAR_REF_RE)' $(SETTINGS) | cut -c3-)
+SETTINGS_UNKNOWN := $(if $(SETTINGS_VARS),$(filter-out $(MAKEFILE_KNOBS) $(SETTINGS_USED),$(SETTINGS_VARS)))
+$(if $(SETTINGS_UNKNOWN),$(warning $(SETTINGS) sets $(SETTINGS_UNKNOWN): not a knob of this Makefile, ignored \
+  (`make settings` lists them)))
 
 # --- the targets: `target: prerequisites ## help`, continued by `##   ...` lines --------------------------
 help: ## list the targets and their knobs
@@ -331,19 +370,24 @@ train: $(LOCAL_DEPS) ## stage 03: HIDDEN=hidden/NAME MODEL NAME [TRUST_REMOTE_CO
 	$(call require,HIDDEN MODEL NAME,make train HIDDEN=hidden/NAME MODEL=/path/to/target NAME=draft_name)
 	$(call run_stage,train,$(VENV)/bin/eyas-train,,$(TRAIN_RUN),eyas_train.cli)
 
-# Each stage a job of its own process group (set -m), so that one failing, or Ctrl-C, stops all three.
+# Each stage a job of its own process group (set -m), so that one failing, or Ctrl-C, stops all three. Each is
+# checked every second and its exit status read by its pid (`wait PID`): bash's `wait -n` loses a job that ended
+# while another did, and then waited on past a failed stage, or took a finished one for a failure (exit 127)
 pipeline: $(LOCAL_DEPS) ## stages 01-03 at once, streaming through DATA: N PROMPTS SERVER MODEL NAME (synth/,
 ##   hidden/ and drafts/NAME) [DISK_BUDGET SYNTH_HOST EXTRACT_HOST TRAIN_HOST SYNTH_ARGS EXTRACT_ARGS TRAIN_ARGS]
 	$(call require,PROMPTS MODEL NAME,make pipeline N=10000 PROMPTS=file.jsonl SERVER=http://host:8000 \
 	  MODEL=/path/to/target NAME=run1 [SYNTH_HOST= EXTRACT_HOST= TRAIN_HOST=])
-	@set -m; sub='$(MAKE) --no-print-directory NAME=$(NAME) FOLLOW=1'; \
-	$$sub synth $(call pipeline_host,SYNTH) & s=$$!; \
-	$$sub extract SYNTH=synth/$(NAME) $(call pipeline_host,EXTRACT) & e=$$!; \
-	$$sub train HIDDEN=hidden/$(NAME) $(call pipeline_host,TRAIN) & t=$$!; set +m; \
+	@set -m; sub() { $(MAKE) --no-print-directory NAME=$(call shq,$(NAME)) FOLLOW=1 "$$@"; }; \
+	sub synth $(call pipeline_host,SYNTH) & s=$$!; \
+	sub extract SYNTH=$(call shq,synth/$(NAME)) $(call pipeline_host,EXTRACT) & e=$$!; \
+	sub train HIDDEN=$(call shq,hidden/$(NAME)) $(call pipeline_host,TRAIN) & t=$$!; set +m; \
 	stop() { kill -TERM -- -$$s -$$e -$$t 2>/dev/null; wait; }; trap 'stop; exit 130' INT TERM; \
-	for i in 1 2 3; do wait -n && continue; rc=$$?; \
-	  echo "make pipeline: a stage failed (exit $$rc); stopping the others" >&2; stop; exit $$rc; done
-pipeline_host = $(if $($(1)_HOST),HOST=$($(1)_HOST))
+	left="$$s $$e $$t"; while :; do now=; for p in $$left; do \
+	  kill -0 $$p 2>/dev/null && { now="$$now $$p"; continue; }; wait $$p && continue; rc=$$?; \
+	  echo "make pipeline: a stage failed (exit $$rc); stopping the others" >&2; stop; exit $$rc; done; \
+	  left=$$now; [ -n "$$left" ] || break; sleep 1 & wait $$!; done
+# each value one shell word (quoted), so that no character of a NAME or host is read by the shell
+pipeline_host = $(if $($(1)_HOST),HOST=$(call shq,$($(1)_HOST)))
 
 EVAL_RUN = eval --draft $(call word_arg,$(DRAFT)) --model $(call path_word,$(MODEL)) \
   --prompts $(call path_word,$(PROMPTS)) $(if $(SPEC_TOKENS),--spec-tokens $(SPEC_TOKENS)) $(TRC) $(EVAL_ARGS)
@@ -419,9 +463,9 @@ datasets: $(LOCAL_DEPS) ## list datasets under EYAS_DATA (or DATA on HOST / with
 
 # (REF= is the old name of DATASET= here, still read)
 RM_DATASET = $(or $(DATASET),$(REF))
-rm-data: install ## delete a dataset under EYAS_DATA: DATASET=KIND/NAME (asks first)
+rm-data: install ## delete a dataset under EYAS_DATA: DATASET=KIND/NAME (asks first, unless YES=1)
 	$(call require,RM_DATASET,make rm-data DATASET=KIND/NAME (a dataset under EYAS_DATA=$(EYAS_DATA)))
-	$(VENV)/bin/eyas-data rm $(call word_arg,$(RM_DATASET))
+	$(VENV)/bin/eyas-data rm $(call word_arg,$(RM_DATASET))$(if $(filter 1 yes true,$(YES)), --yes)
 
 # --- images: build, push, run, clean on a host ----------------------------------------------------------
 # the CPU torch wheel goes into the build context on VARIANT=cpu (when there is one)

@@ -15,8 +15,8 @@ from eyas_testing.stub import vllm_body
 
 # --- the Makefile (tests/test_makefile.py, tests/test_make_images.py) ----------------------------------------
 REPO = Path(__file__).resolve().parents[1]
-# knobs that fix the dry-run output whatever this checkout and machine are
-FIXED = {"TAG": "abc123", "REGISTRY": "reg.example:5000/team", "SETTINGS": "/nonexistent"}
+# knobs that fix the dry-run output whatever this checkout and machine are (no settings file: /dev/null is empty)
+FIXED = {"TAG": "abc123", "REGISTRY": "reg.example:5000/team", "SETTINGS": "/dev/null"}
 
 
 def make(*args: str, env: dict[str, str] | None = None, **knobs: str | None) -> subprocess.CompletedProcess:

@@ -168,6 +168,79 @@ def test_eyas_data_cli(tmp_path, monkeypatch):
     assert not (tmp_path / "synth" / "link").is_symlink()
 
 
+def one_line_error(r, says: str) -> str:
+    """A refusal of eyas-data: exit status 1 or 2, no traceback, SAYS on its `Error:` line."""
+    assert r.exit_code in (1, 2) and isinstance(r.exception, SystemExit), (r.output, r.exception)
+    (line,) = [x for x in r.output.splitlines() if x.startswith("Error:")]
+    assert says in line and "Traceback" not in r.output, r.output
+    return line
+
+
+def test_eyas_data_names_a_file_or_folder_in_the_wrong_place(tmp_path, monkeypatch):
+    """show/verify of a file where a dataset folder (or the data root) must be, or of a folder where the manifest
+    must be, used to end in NotADirectoryError / IsADirectoryError tracebacks."""
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    (tmp_path / "drafts").mkdir()
+    (tmp_path / "drafts" / "f").write_text("not a dataset")
+    (tmp_path / "synth" / "m" / "manifest.json").mkdir(parents=True)
+    for cmd in ("show", "verify"):
+        one_line_error(CliRunner().invoke(data_cli, [cmd, "drafts/f"]), "drafts/f is a file, not a dataset folder")
+        one_line_error(CliRunner().invoke(data_cli, [cmd, "synth/m"]),
+                       "manifest.json is a folder, not a manifest file; remake it: `eyas-data rm synth/m --yes`")
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path / "drafts" / "f"))
+    one_line_error(CliRunner().invoke(data_cli, ["show", "synth/x"]), f"{tmp_path}/drafts/f is a file, not a folder: "
+                   f"EYAS_DATA (now {tmp_path}/drafts/f) must be the data root folder")
+
+
+def test_eyas_data_rm_with_no_one_to_ask_names_yes(tmp_path, monkeypatch):
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    ds = make_dataset(tmp_path, "keep")
+    r = CliRunner().invoke(data_cli, ["rm", "synth/keep"], input="")   # end of input: a script, make in CI
+    one_line_error(r, "rm synth/keep: no answer to the question (its input is not a terminal): add --yes to delete it")
+    assert ds.path.is_dir()
+    r = CliRunner().invoke(data_cli, ["rm", "synth/keep"], input="n\n")  # an answer is still taken from a pipe
+    assert r.exit_code == 1 and "Aborted!" in r.output and ds.path.is_dir()
+    r = CliRunner().invoke(data_cli, ["rm", "synth/keep"], input="y\n")
+    assert r.exit_code == 0 and not ds.path.exists(), r.output
+
+
+def test_eyas_data_out_paths_are_checked_before_anything_is_written(tmp_path, monkeypatch):
+    """fixture --out into a folder that is not a copy of the fixture used to overwrite its files in place (a real
+    model's config.json) and leave the rest, mixed; a file in place of a folder was a traceback."""
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"real": true}')
+    r = CliRunner().invoke(data_cli, ["fixture", "--out", str(model)])
+    one_line_error(r, f"{model} holds 1 file and no eyas fixture (no eyas_fixture.json): the fixture would overwrite "
+                      f"its config.json; give an empty or new folder")
+    assert (model / "config.json").read_text() == '{"real": true}'
+    # a built fixture, as the cache holds it (no build here)
+    cached = tmp_path / "cache"
+    cached.mkdir()
+    for name in ("config.json", "eyas_fixture.json", "model.safetensors"):
+        (cached / name).write_text(name)
+    fake = SimpleNamespace(build_fixture=lambda out, seed: cached, build_deepseek_fixture=None,
+                           build_kimi_fixture=None, build_smollm2_fixture=lambda out, dtype: cached)
+    monkeypatch.setattr("eyas_common.cli.testing_module", lambda name: fake)
+    out = tmp_path / "new" / "target"
+    for _ in range(2):  # a new folder, then the same again (a rerun of the demo)
+        r = CliRunner().invoke(data_cli, ["fixture", "--out", str(out)])
+        assert r.exit_code == 0 and r.output.strip() == str(out) and sorted(os.listdir(out)) == sorted(
+            os.listdir(cached)), r.output
+    (out / "extra.bin").write_text("another model's")
+    one_line_error(CliRunner().invoke(data_cli, ["fixture", "--out", str(out)]),
+                   f"{out} holds files this fixture does not write (extra.bin)")
+    one_line_error(CliRunner().invoke(data_cli, ["fixture", "--out", str(out), "--kind", "smollm2", "--seed", "3"]),
+                   "smollm2 has its own weights: only the trained fixtures take a seed")
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    one_line_error(CliRunner().invoke(data_cli, ["fixture", "--out", str(a_file)]), "is a file")
+    for cmd in ("fixture", "prompts"):
+        one_line_error(CliRunner().invoke(data_cli, [cmd, "--out", str(a_file / "x" / "p.jsonl")]),
+                       f"{a_file}/x/p.jsonl: {a_file} is a file, not a folder")
+    one_line_error(CliRunner().invoke(data_cli, ["prompts", "--out", str(tmp_path)]), "is a directory")
+
+
 def test_open_output_is_the_one_create_or_resume_rule(tmp_path):
     target = {"tokenizer_sha256": "a", "chat_template_sha256": "b"}
     kw = dict(stage="test", target=target, inputs=[], may_change=("concurrency",))

@@ -84,6 +84,47 @@ def test_a_mistyped_knob_is_named_and_a_real_one_is_not():
     assert "not a knob" not in r.stderr and "--concurrency 4" in r.stdout, r.stderr
 
 
+TRAIN = {"HIDDEN": "hidden/s", "MODEL": "/models/K", "NAME": "d"}
+
+
+@pytest.mark.parametrize("knob, value, says", [
+    ("NPROC", "0", "NPROC='0': give the processes per host as a whole number from 1"),
+    ("NPROC", "abc", "NPROC='abc': give the processes per host"),
+    ("NPROC", "1 2", "NPROC='1 2': give the processes per host"),
+    ("FOLLOW", "maybe", "FOLLOW='maybe': use FOLLOW=1 to turn it on, FOLLOW=0 (or empty) to leave it off"),
+    ("TRUST_REMOTE_CODE", "on", "TRUST_REMOTE_CODE='on': use TRUST_REMOTE_CODE=1"),
+    ("HOST", "u@gpu:notaport", "HOST=u@gpu:notaport: not user@name[:port] with a port from 1 to 65535"),
+    ("HOST", "u@gpu:99999", "HOST=u@gpu:99999: not user@name[:port]"),
+    ("HOST", ":22", "HOST=:22: not user@name[:port]"),
+    ("HOST", "u@", "HOST=u@: not user@name[:port]"),
+    ("HOST", "u@a u@b", "HOST='u@a u@b' names 2 hosts; HOST= takes one"),
+    ("TRAIN_HOST", "u@gpu:x", "TRAIN_HOST=u@gpu:x: not user@name[:port]"),
+    ("HOSTS", "u@a u@b:0", "HOSTS='u@a u@b:0': 'u@b:0' is not user@name[:port]"),
+    ("EYAS_DATA", "", "EYAS_DATA is empty: set it to the data root folder"),
+])
+def test_a_knob_value_that_would_make_a_wrong_command_is_refused_in_one_line(knob, value, says):
+    """Values passed on as they are to torchrun (NPROC), ssh (HOST: a bad port, or no host, which makes ssh take the
+    remote command for the host), or read as off in silence (FOLLOW=maybe), stop make before anything runs."""
+    r = make("-n", "train", **TRAIN, **{knob: value})
+    assert r.returncode == 2 and r.stdout == "", r.stdout
+    (line,) = r.stderr.splitlines()
+    assert says in line, line
+
+
+@pytest.mark.parametrize("knobs, want", [
+    ({"NPROC": "8"}, "--nproc-per-node 8"), ({"NPROC": "10", "FOLLOW": "no"}, "--nproc-per-node 10"),
+    ({"HOST": "u@gpu:65535"}, "ssh -p 65535"), ({"HOST": "gpu1"}, " gpu1 "),
+    ({"HOSTS": "u@a u@b:2200", "NPROC": "2"}, "-p 2200"), ({"FOLLOW": "true"}, "--follow"),
+])
+def test_the_good_values_of_those_knobs_still_pass(knobs, want):
+    assert want in dry_lines("train", **TRAIN, **knobs)[-1]
+
+
+def test_extract_with_vllm_takes_the_on_values_of_every_switch():
+    assert "WITH_VLLM=1 " in dry_lines("build-extract", VARIANT="cpu", EXTRACT_WITH_VLLM="yes")[-1]
+    assert "WITH_VLLM=0 " in dry_lines("build-extract", VARIANT="cpu")[-1]
+
+
 @pytest.mark.parametrize("stage, knobs, flag", [("extract", {"SYNTH": "synth/s"}, ["--disk-budget", "50G"]),
                                                 ("train", {"HIDDEN": "hidden/s"}, ["--consume"])])
 def test_disk_budget_knob(stage, knobs, flag):
@@ -105,9 +146,26 @@ def test_pipeline_starts_the_three_stages_following_each_other_each_on_its_host(
     assert "u@gpu2" in train[0] or "gpu2" in train[0]
 
 
+def test_pipeline_passes_a_name_and_hosts_to_each_stage_as_one_shell_word():
+    """NAME='a&&b' used to reach the pipeline's shell bare, which ran `b` (under make -n too); now each stage gets it
+    as one word and refuses it itself (the dataset name rule)."""
+    r = make("-n", "pipeline", N="8", PROMPTS="/p.jsonl", MODEL="/models/K", NAME="a&&b", SYNTH_HOST="u@gpu1:2222")
+    assert r.returncode == 0 and "command not found" not in r.stderr, r.stderr
+    for stage in ("run --prompts", "run --synth", "run --hidden"):   # synth (on its host), extract, train
+        (line,) = [x for x in r.stdout.splitlines() if stage in x]
+        args = shlex.split(remote(line)[-1].split(" && ")[-1] if line.startswith("ssh ") else line)
+        assert args[args.index("--name") + 1] == "a&&b", args
+    assert [x for x in r.stdout.splitlines() if "run --prompts" in x][0].startswith("ssh -p 2222 ")
+
+
 @pytest.mark.parametrize("knobs", [{"DATASET": "synth/s"}, {"REF": "synth/s"}], ids=["DATASET", "old-REF"])
 def test_rm_data_takes_dataset_like_clean_remote(knobs):
     assert dry_lines("rm-data", **knobs)[-1].endswith("/bin/eyas-data rm synth/s")
+
+
+def test_rm_data_deletes_without_asking_on_yes_as_clean_remote_does():
+    # asked on a stdin that is no terminal (a script), eyas-data rm refuses, naming --yes and YES=1
+    assert dry_lines("rm-data", DATASET="synth/s", YES="1")[-1].endswith("/bin/eyas-data rm synth/s --yes")
 
 
 def test_rm_data_without_a_dataset_names_the_knob():
@@ -159,6 +217,18 @@ def test_make_settings_prints_every_knob_of_the_makefile_and_the_settings_file(t
     assert list(rows) == knobs + ["MY_OWN_KNOB"]  # the Makefile's order, then what only the settings file sets
     assert rows["SPEC_TOKENS"] == ["4", "(command", "line)"] and rows["MY_OWN_KNOB"] == ["7", f"({settings})"]
     assert rows["MODEL"] == ["/models/K", f"({settings})"] and rows["FLASH_ATTN_VERSION"][-1] == "(default)"
+
+
+def test_a_settings_file_that_is_not_there_or_sets_no_knob_is_named(tmp_path):
+    r = make("-n", "synth", SETTINGS=str(tmp_path / "setings.mk"), PROMPTS="/p", MODEL="/m", NAME="s")
+    assert r.returncode == 2 and r.stdout == "" and f"SETTINGS={tmp_path}/setings.mk: no such file; name the " \
+        "settings file there is" in r.stderr, r.stderr
+    settings = tmp_path / "settings.mk"
+    settings.write_text("CONCURENCY ?= 4\nGPU_BOX := u@gpu1\nHOST ?= $(GPU_BOX)\nMODEL ?= /m\n")
+    r = make("-n", "synth", SETTINGS=str(settings), PROMPTS="/p", NAME="s")
+    (line,) = r.stderr.splitlines()   # GPU_BOX is the file's own, used there: not named
+    assert f"{settings} sets CONCURENCY: not a knob of this Makefile, ignored" in line, line
+    assert r.returncode == 0 and "--concurrency 128" in r.stdout and "u@gpu1" in r.stdout
 
 
 def test_the_example_settings_file_is_read_as_it_stands():

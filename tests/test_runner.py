@@ -106,6 +106,6 @@ def test_refusals_are_one_error_line(knobs, stage, says):
 
 def test_make_stops_on_a_refusal_with_the_runners_line():
     r = subprocess.run(["make", "--no-print-directory", "-C", str(REPO), "-n", "synth", "HOSTS=a b", "N=1",
-                        "PROMPTS=/p", "MODEL=/m", "NAME=s", "REGISTRY=r:5000", "SETTINGS=/nonexistent"],
+                        "PROMPTS=/p", "MODEL=/m", "NAME=s", "REGISTRY=r:5000", "SETTINGS=/dev/null"],
                        capture_output=True, text=True)
     assert r.returncode == 2 and "HOSTS= runs make train only" in r.stderr and "docker" not in r.stdout

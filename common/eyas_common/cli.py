@@ -5,14 +5,17 @@ from __future__ import annotations
 
 import importlib
 import json
+import shutil
+import sys
 from pathlib import Path
 from types import ModuleType
 
 import click
+from click.core import ParameterSource
 
 from eyas_common.cli_errors import EyasGroup
 from eyas_common.contract import (Dataset, DatasetError, check_intact, data_root, folder_bytes, human_bytes,
-                                  list_datasets, remove)
+                                  list_datasets, remake_fix, remove)
 from eyas_common.lock import refuse_if_written
 
 
@@ -33,11 +36,33 @@ def list_cmd() -> None:
         click.echo(f"{ds.ref:40s} {status:10s} {schema:16s} {folder_bytes(ds.path) / 1e6:10.1f} MB")
 
 
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of PATH and its parents that exists and is not a folder (a file where a folder must be), or None."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
+
+
+def read_manifest(ds: Dataset, check: bool = True) -> dict:
+    """ds.read_manifest, with a file where the dataset's folder (or the data root) must be, and a folder where its
+    manifest must be, refused in one line rather than as the operating system's error."""
+    blocker = file_in_the_way(ds.path)
+    if blocker == ds.path:
+        raise DatasetError(f"{ds.ref}: {ds.path} is a file, not a dataset folder; remove it by hand if it is yours")
+    if blocker is not None:
+        raise DatasetError(f"{ds.ref}: {blocker} is a file, not a folder: EYAS_DATA (now {ds.root}) must be the "
+                           f"data root folder, with KIND/NAME folders under it")
+    if ds.manifest_path.is_dir():
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path} is a folder, not a manifest file; {remake_fix(ds)}")
+    return ds.read_manifest(check=check)
+
+
 @main.command()
 @click.argument("ref")
 def show(ref: str) -> None:
     """Print the manifest of REF (KIND/NAME)."""
-    click.echo(json.dumps(Dataset.parse(ref).read_manifest(check=False), indent=2))  # as it is, to see what is wrong
+    click.echo(json.dumps(read_manifest(Dataset.parse(ref), check=False), indent=2))  # as it is, to see what is wrong
 
 
 @main.command("verify")
@@ -45,7 +70,7 @@ def show(ref: str) -> None:
 def verify_cmd(ref: str) -> None:
     """Recompute bytes and sha256 of every file of REF against its manifest; exit 1 on any difference."""
     ds = Dataset.parse(ref)
-    manifest = ds.read_manifest()
+    manifest = read_manifest(ds)
     check_intact(ds, manifest)  # the check every reader of a finished dataset makes, as one line with the fix
     click.echo(f"{ds.ref}: ok ({len(manifest['files'])} files)")
 
@@ -65,7 +90,17 @@ def rm(ref: str, yes: bool, dry_run: bool) -> None:
     if not yes:
         refuse_if_written(ds)  # before asking: the answer would not matter
         what = "the link" if ds.path.is_symlink() else f"({human_bytes(folder_bytes(ds.path))})"
-        click.confirm(f"delete {ds.path} {what}?", abort=True)
+        try:
+            agreed = click.confirm(f"delete {ds.path} {what}?")
+        except click.Abort:  # no answer: end of input (a script, a pipe, make in CI) or Ctrl-C / Ctrl-D
+            if sys.stdin is None or sys.stdin.isatty():
+                raise
+            click.echo()
+            raise click.ClickException(f"rm {ds.ref}: no answer to the question (its input is not a terminal): "
+                                       f"add --yes to delete it (make: YES=1), or --dry-run to see what would go"
+                                       ) from None
+        if not agreed:
+            raise click.Abort()
     click.echo(remove(ds))
 
 
@@ -82,8 +117,41 @@ def testing_module(name: str) -> ModuleType:
         raise click.ClickException(hint) from None
 
 
+def writable_out(out: Path) -> Path:
+    """--out whose parents are folders (or can be made): a file in the way is named, not met as a traceback."""
+    blocker = file_in_the_way(out.parent)
+    if blocker is not None:
+        raise click.BadParameter(f"{out}: {blocker} is a file, not a folder", param_hint="--out")
+    return out
+
+
+def files_under(folder: Path) -> set[str]:
+    return {p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file() or p.is_symlink()}
+
+
+def check_fixture_out(out: Path, fixture: Path | None = None) -> None:
+    """Refuse an --out folder that holds anything but an earlier copy of the fixture (FIXTURE's files, when known):
+    the copy overwrites files of the same name and leaves the others, so a model folder given by mistake would be
+    changed in place (its config.json overwritten) and a folder of another fixture would become a mix of the two."""
+    if not out.is_dir():
+        return
+    there = files_under(out)
+    fix = "give an empty or new folder (or delete this one first)"
+    if there and "eyas_fixture.json" not in there:
+        files = f"{len(there)} file{'s' if len(there) > 1 else ''}"
+        raise click.BadParameter(f"{out} holds {files} and no eyas fixture (no eyas_fixture.json): the "
+                                 f"fixture would overwrite its {', '.join(sorted(there)[:3])}; {fix}",
+                                 param_hint="--out")
+    extra = sorted(there - files_under(fixture)) if fixture is not None else []
+    if extra:
+        more = f" and {len(extra) - 3} more" if len(extra) > 3 else ""
+        raise click.BadParameter(f"{out} holds files this fixture does not write ({', '.join(extra[:3])}{more}): "
+                                 f"the folder would be a mix of the two; {fix}", param_hint="--out")
+
+
 @main.command()
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="Folder to write the model into.")
+@click.option("--out", type=click.Path(file_okay=False, path_type=Path), required=True,
+              help="Folder to write the model into: new, empty, or an earlier copy of the same fixture.")
 @click.option("--kind", "--arch", "arch", type=click.Choice(["llama", "deepseek", "kimi-k25", "smollm2"]),
               default="llama", show_default=True,
               help="llama: the trained thinking target; deepseek: an untrained Kimi-architecture (DeepseekV3) twin; "
@@ -96,19 +164,26 @@ def testing_module(name: str) -> ModuleType:
               help="smollm2 only: the dtype of the saved weights (fp32 is much faster in vLLM on CPU).")
 def fixture(out: Path, arch: str, seed: int, dtype: str) -> None:
     """Build an offline target (cached by content hash) into OUT."""
+    check_fixture_out(writable_out(out))  # before a build of minutes
     if arch == "smollm2":
-        click.echo(str(testing_module("fixture_smollm2").build_smollm2_fixture(out, dtype=dtype)))
-        return
-    if dtype != "fp32":
-        raise click.BadParameter("only the smollm2 target takes another dtype", param_hint="--dtype")
-    base, kimi = testing_module("fixture"), testing_module("fixture_kimi")
-    builders = {"llama": base.build_fixture, "deepseek": base.build_deepseek_fixture,
-                "kimi-k25": kimi.build_kimi_fixture}
-    click.echo(str(builders[arch](out, seed=seed)))
+        if click.get_current_context().get_parameter_source("seed") == ParameterSource.COMMANDLINE:
+            raise click.BadParameter("smollm2 has its own weights: only the trained fixtures take a seed",
+                                     param_hint="--seed")
+        cached = testing_module("fixture_smollm2").build_smollm2_fixture(None, dtype=dtype)
+    else:
+        if dtype != "fp32":
+            raise click.BadParameter("only the smollm2 target takes another dtype", param_hint="--dtype")
+        base, kimi = testing_module("fixture"), testing_module("fixture_kimi")
+        builders = {"llama": base.build_fixture, "deepseek": base.build_deepseek_fixture,
+                    "kimi-k25": kimi.build_kimi_fixture}
+        cached = builders[arch](None, seed=seed)
+    check_fixture_out(out, cached)
+    shutil.copytree(cached, out, dirs_exist_ok=True)  # the builders' own copy, once --out is known to be safe
+    click.echo(str(out))
 
 
 @main.command()
-@click.option("--out", type=click.Path(path_type=Path), required=True, help="JSONL file to write.")
+@click.option("--out", type=click.Path(dir_okay=False, path_type=Path), required=True, help="JSONL file to write.")
 @click.option("--set", "set_name", type=click.Choice(["fixture", "truthfulqa", "mmlu", "humaneval", "real"]),
               default="fixture", show_default=True,
               help="fixture: the tiny targets' synthetic tasks; truthfulqa (817 questions), mmlu (2,833 multiple-choice "
@@ -122,6 +197,7 @@ def fixture(out: Path, arch: str, seed: int, dtype: str) -> None:
                    "disjoint (real sets: about 1 question in 10 is held out, decided by its text).")
 def prompts(out: Path, set_name: str, n: int, seed: int, split: str) -> None:
     """Write N prompts (OpenAI `messages` JSONL); the held-out split is disjoint from the training one."""
+    writable_out(out)
     if set_name == "fixture":
         testing_module("fixture").write_prompts_jsonl(out, n, seed, split)
         click.echo(f"wrote {n} prompts to {out}")
