@@ -14,6 +14,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from eyas_common.contract import DatasetError
+
 THINK_OPEN = "<think>"
 THINK_CLOSE = "</think>"
 # End-of-turn candidates, in order of preference (Kimi/ChatML-style first, then the tokenizer's eos).
@@ -25,8 +27,6 @@ REMOTE_CODE_HINT = "pass --trust-remote-code (make: TRUST_REMOTE_CODE=1) to run 
 
 def refuse_remote_code(model: str | Path, error: Exception, trust_remote_code: bool) -> None:
     """One line instead of transformers' traceback when a target ships code that was not opted into."""
-    from eyas_common.contract import DatasetError
-
     if not trust_remote_code and "trust_remote_code" in str(error):
         raise DatasetError(f"{model} ships its own model/tokenizer code (auto_map); {REMOTE_CODE_HINT}") from None
 
@@ -44,8 +44,6 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
     from transformers import AutoTokenizer
 
     if not Path(model).is_dir():  # else transformers reads the path as a hub model id and tries to download it
-        from eyas_common.contract import DatasetError
-
         raise DatasetError(f"--model {model}: no such folder; pass the local path of the target (a folder with "
                            f"config.json and the tokenizer files). eyas never downloads models")
     if not trust_remote_code and ships_tokenizer_code(model):
@@ -56,8 +54,6 @@ def load_tokenizer(model: str | Path, trust_remote_code: bool = False):
         return AutoTokenizer.from_pretrained(str(model), trust_remote_code=trust_remote_code)
     except (OSError, ValueError) as e:  # a folder that is not a target: transformers' multi-line traceback
         refuse_remote_code(model, e, trust_remote_code)
-        from eyas_common.contract import DatasetError
-
         why = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(" :")
         raise DatasetError(f"--model {model}: no tokenizer loads from this folder (transformers: {why}); pass the "
                            f"local path of the target (a folder with config.json and the tokenizer files)") from None

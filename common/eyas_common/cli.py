@@ -14,8 +14,8 @@ import click
 from click.core import ParameterSource
 
 from eyas_common.cli_errors import EyasGroup
-from eyas_common.contract import (Dataset, DatasetError, check_intact, data_root, folder_bytes, human_bytes,
-                                  list_datasets, remake_fix, remove)
+from eyas_common.contract import (Dataset, DatasetError, check_intact, data_root, file_in_the_way, folder_bytes,
+                                  human_bytes, list_datasets, remove)
 from eyas_common.lock import refuse_if_written
 
 
@@ -36,33 +36,11 @@ def list_cmd() -> None:
         click.echo(f"{ds.ref:40s} {status:10s} {schema:16s} {folder_bytes(ds.path) / 1e6:10.1f} MB")
 
 
-def file_in_the_way(path: Path) -> Path | None:
-    """The first of PATH and its parents that exists and is not a folder (a file where a folder must be), or None."""
-    for p in (path, *path.parents):
-        if p.exists():
-            return None if p.is_dir() else p
-    return None
-
-
-def read_manifest(ds: Dataset, check: bool = True) -> dict:
-    """ds.read_manifest, with a file where the dataset's folder (or the data root) must be, and a folder where its
-    manifest must be, refused in one line rather than as the operating system's error."""
-    blocker = file_in_the_way(ds.path)
-    if blocker == ds.path:
-        raise DatasetError(f"{ds.ref}: {ds.path} is a file, not a dataset folder; remove it by hand if it is yours")
-    if blocker is not None:
-        raise DatasetError(f"{ds.ref}: {blocker} is a file, not a folder: EYAS_DATA (now {ds.root}) must be the "
-                           f"data root folder, with KIND/NAME folders under it")
-    if ds.manifest_path.is_dir():
-        raise DatasetError(f"{ds.ref}: {ds.manifest_path} is a folder, not a manifest file; {remake_fix(ds)}")
-    return ds.read_manifest(check=check)
-
-
 @main.command()
 @click.argument("ref")
 def show(ref: str) -> None:
     """Print the manifest of REF (KIND/NAME)."""
-    click.echo(json.dumps(read_manifest(Dataset.parse(ref), check=False), indent=2))  # as it is, to see what is wrong
+    click.echo(json.dumps(Dataset.parse(ref).read_manifest(check=False), indent=2))  # as it is, to see what is wrong
 
 
 @main.command("verify")
@@ -70,7 +48,7 @@ def show(ref: str) -> None:
 def verify_cmd(ref: str) -> None:
     """Recompute bytes and sha256 of every file of REF against its manifest; exit 1 on any difference."""
     ds = Dataset.parse(ref)
-    manifest = read_manifest(ds)
+    manifest = ds.read_manifest()
     check_intact(ds, manifest)  # the check every reader of a finished dataset makes, as one line with the fix
     click.echo(f"{ds.ref}: ok ({len(manifest['files'])} files)")
 

@@ -122,6 +122,17 @@ class Dataset:
     def exists(self) -> bool:
         return self.manifest_path.is_file()
 
+    def _in_the_way(self) -> str:
+        """Why the manifest cannot be read though something is there: a folder where the manifest must be, or a
+        file where the dataset's folder (or the data root, or a kind's folder) must be."""
+        if self.manifest_path.is_dir():
+            return f"{self.ref}: {self.manifest_path} is a folder, not a manifest file; {remake_fix(self)}"
+        blocker = file_in_the_way(self.path)
+        if blocker == self.path:
+            return f"{self.ref}: {self.path} is a file, not a dataset folder; remove it by hand if it is yours"
+        return (f"{self.ref}: {blocker} is a file, not a folder: EYAS_DATA (now {self.root}) must be the data root "
+                f"folder, with KIND/NAME folders under it")
+
     def read_manifest(self, check: bool = True) -> dict[str, Any]:
         """The manifest as a dict; with `check`, its `files` field is refused unless well-formed, so that no reader
         trips over a hand-edited one (`eyas-data show` and `list` read it unchecked, to show what is there)."""
@@ -129,6 +140,8 @@ class Dataset:
             manifest = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
             raise DatasetError(f"{self.ref}: no {MANIFEST} at {self.path}; make it with {REMAKE[self.kind]}") from None
+        except (NotADirectoryError, IsADirectoryError):
+            raise DatasetError(self._in_the_way()) from None
         except json.JSONDecodeError as e:
             raise DatasetError(f"{self.ref}: {self.manifest_path} is not valid JSON ({e}); "
                                f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
@@ -787,6 +800,14 @@ def remove(ds: Dataset, *, dry_run: bool = False) -> str:
     with held_for_removal(ds):  # no writer starts while its folder goes
         shutil.rmtree(target)
     return f"deleted {target}"
+
+
+def file_in_the_way(path: Path) -> Path | None:
+    """The first of PATH and its parents that exists and is not a folder (a file where a folder must be), or None."""
+    for p in (path, *path.parents):
+        if p.exists():
+            return None if p.is_dir() else p
+    return None
 
 
 def lock_file(ds: Dataset, part: str = "") -> Path:
