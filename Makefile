@@ -197,10 +197,19 @@ BOOL_KNOBS := FOLLOW PROMPT_LOOKUP TRUST_REMOTE_CODE YES EXTRACT_WITH_VLLM
 BAD_BOOL := $(firstword $(foreach k,$(BOOL_KNOBS),$(if $(filter-out 0 1 yes no true false,$($(k))),$(k))))
 $(if $(BAD_BOOL),$(error $(BAD_BOOL)='$($(BAD_BOOL))': use $(BAD_BOOL)=1 to turn it on, $(BAD_BOOL)=0 (or empty) \
   to leave it off))
-# NPROC reaches torchrun as it is (0 or a word would stop it with a traceback)
-$(if $(and $(if $(word 2,$(NPROC)),,1),$(if $(call drop_chars,$(NPROC),0 1 2 3 4 5 6 7 8 9),,1),\
-  $(call drop_chars,$(NPROC),0)),,$(error NPROC='$(NPROC)': give the processes per host as a whole number \
-  from 1, e.g. NPROC=8 for one per GPU))
+# $(call not_count,VALUE): non-empty unless VALUE is one whole number from 1. NPROC reaches torchrun and MAX_JOBS
+# the flash-attn build as they are (0 or a word would stop either with its own traceback)
+not_count = $(if $(and $(if $(word 2,$(1)),,1),$(if $(call drop_chars,$(1),0 1 2 3 4 5 6 7 8 9),,1),\
+  $(call drop_chars,$(1),0)),,1)
+$(if $(call not_count,$(NPROC)),$(error NPROC='$(NPROC)': give the processes per host as a whole number from 1, \
+  e.g. NPROC=8 for one per GPU))
+$(if $(call not_count,$(MAX_JOBS)),$(error MAX_JOBS='$(MAX_JOBS)': give the parallel compile jobs of the base \
+  image's flash-attn build as a whole number from 1, e.g. MAX_JOBS=4))
+# make demo's TARGET and METHOD, named before install rather than by demo.py after it (only for demo: TARGET is a
+# common name in other tools' environments)
+$(if $(filter demo,$(MAKECMDGOALS)),$(if $(filter-out tiny smollm2,$(TARGET)),$(error TARGET=$(TARGET): make demo \
+  runs on TARGET=tiny (the default) or TARGET=smollm2))$(if $(filter-out eagle3 dflash,$(METHOD)),$(error \
+  METHOD=$(METHOD): make demo trains METHOD=eagle3 (the default) or METHOD=dflash)))
 # the ssh hosts: user@name[:port], a port from 1 to 65535 (ssh would take a bad one as its own words, or the remote
 # command as the host); $(call bad_hosts,LIST): the first word of LIST that is not one
 PORT_RE   := ([1-9][0-9]{0,3}|[1-5][0-9]{4}|6[0-4][0-9]{3}|65[0-4][0-9]{2}|655[0-2][0-9]|6553[0-5])

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import shlex
 import sys
 from dataclasses import dataclass
@@ -65,6 +66,9 @@ def gpu_flag(env: dict[str, str], stage: str) -> str:
     gpus = knob(env, "GPUS")
     if not gpus or knob(env, "VARIANT", "cu128") != "cu128" or stage not in knob(env, "GPU_STAGES").split():
         return ""
+    # docker would stop on another value only once the image is pulled, with its own words
+    if not re.fullmatch(r"all|[1-9][0-9]*|device=[0-9]+(,[0-9]+)*|[0-9]+(,[0-9]+)+", gpus):
+        raise Refused(f"GPUS={gpus}: use GPUS=all, a count (GPUS=2), device ids (GPUS=0,1 or GPUS=device=0) or GPUS= for none")
     if "," in gpus or gpus.startswith("device="):
         gpus = quote('"device=' + gpus.removeprefix("device=") + '"')
     return f"--gpus {gpus}"
@@ -106,10 +110,13 @@ def torchrun_args(env: dict[str, str], module: str, args: str, host: str = "") -
     if not hosts:
         return words(f"--standalone --nproc-per-node {nproc} -m {module}", args)
     rdzv_host = knob(env, "RDZV_HOST") or host_name(hosts[0])
+    port = knob(env, "RDZV_PORT", "29500")
+    if not (port.isdigit() and 1 <= int(port) <= 65535):
+        raise Refused(f"RDZV_PORT={port}: the rendezvous port is a number from 1 to 65535 (default 29500)")
     # --local-addr: the rendezvous tells nodes apart by address and pid; in containers every torchrun has the
     # same pid, and hosts sharing a hostname (or a loopback test) then look like one node that never meets the other
     return words(f"--nnodes {len(hosts)} --nproc-per-node {nproc} --rdzv-backend c10d",
-                 f"--rdzv-endpoint {rdzv_host}:{knob(env, 'RDZV_PORT', '29500')} --rdzv-id {knob(env, 'RDZV_ID')}",
+                 f"--rdzv-endpoint {rdzv_host}:{port} --rdzv-id {knob(env, 'RDZV_ID')}",
                  f"--local-addr {host_name(host)}" if host else "", f"-m {module}", args)
 
 

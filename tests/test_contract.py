@@ -190,6 +190,11 @@ def test_eyas_data_names_a_file_or_folder_in_the_wrong_place(tmp_path, monkeypat
     monkeypatch.setenv("EYAS_DATA", str(tmp_path / "drafts" / "f"))
     one_line_error(CliRunner().invoke(data_cli, ["show", "synth/x"]), f"{tmp_path}/drafts/f is a file, not a folder: "
                    f"EYAS_DATA (now {tmp_path}/drafts/f) must be the data root folder")
+    # set but empty (a `EYAS_DATA= eyas-data ...` or an unset shell variable in a script) meant the working folder
+    monkeypatch.setenv("EYAS_DATA", " ")
+    for args in (["show", "synth/x"], ["list"]):
+        one_line_error(CliRunner().invoke(data_cli, args), "EYAS_DATA is set but empty: set it to the data root "
+                       "folder (e.g. /data), or unset it for ./data")
 
 
 def test_eyas_data_rm_with_no_one_to_ask_names_yes(tmp_path, monkeypatch):

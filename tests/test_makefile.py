@@ -101,6 +101,7 @@ TRAIN = {"HIDDEN": "hidden/s", "MODEL": "/models/K", "NAME": "d"}
     ("TRAIN_HOST", "u@gpu:x", "TRAIN_HOST=u@gpu:x: not user@name[:port]"),
     ("HOSTS", "u@a u@b:0", "HOSTS='u@a u@b:0': 'u@b:0' is not user@name[:port]"),
     ("EYAS_DATA", "", "EYAS_DATA is empty: set it to the data root folder"),
+    ("MAX_JOBS", "0", "MAX_JOBS='0': give the parallel compile jobs of the base image's flash-attn build"),
 ])
 def test_a_knob_value_that_would_make_a_wrong_command_is_refused_in_one_line(knob, value, says):
     """Values passed on as they are to torchrun (NPROC), ssh (HOST: a bad port, or no host, which makes ssh take the
@@ -109,6 +110,18 @@ def test_a_knob_value_that_would_make_a_wrong_command_is_refused_in_one_line(kno
     assert r.returncode == 2 and r.stdout == "", r.stdout
     (line,) = r.stderr.splitlines()
     assert says in line, line
+
+
+@pytest.mark.parametrize("knob, value, says", [
+    ("TARGET", "llama", "TARGET=llama: make demo runs on TARGET=tiny (the default) or TARGET=smollm2"),
+    ("METHOD", "medusa", "METHOD=medusa: make demo trains METHOD=eagle3 (the default) or METHOD=dflash"),
+])
+def test_make_demo_names_a_target_or_method_it_has_not_before_installing(knob, value, says):
+    """demo.py refused them only after `install` (minutes on a fresh machine); TARGET, a common name in other
+    tools' environments, is not checked for the other goals."""
+    r = make("-n", "demo", **{knob: value})
+    assert r.returncode == 2 and r.stdout == "" and says in r.stderr, (r.stdout, r.stderr)
+    assert make("-n", "train", **TRAIN, **{knob: value}).returncode == 0
 
 
 @pytest.mark.parametrize("knobs, want", [

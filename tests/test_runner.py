@@ -96,12 +96,20 @@ def test_hosts_start_one_node_each_and_fail_when_any_fails(tmp_path):
 @pytest.mark.parametrize("knobs, stage, says", [
     ({"HOST": "me@box", "REGISTRY": ""}, "train", "HOST= runs pull the image: set REGISTRY"),
     ({"HOSTS": "a b"}, "synth", "HOSTS= runs make train only"),
+    ({"RUNNER": "docker", "GPUS": "two"}, "train", "GPUS=two: use GPUS=all, a count (GPUS=2), device ids"),
+    ({"RUNNER": "docker", "GPUS": "0"}, "extract", "GPUS=0: use GPUS=all"),
 ])
 def test_refusals_are_one_error_line(knobs, stage, says):
     argv = ["--stage", stage, "--image", IMAGE, "--local", "x", "--args", "run"]
     r = subprocess.run([sys.executable, str(REPO / "docker/runner.py"), *argv], capture_output=True, text=True,
                        env={**BASE, **knobs})
     assert r.returncode == 0 and r.stdout.startswith("error: ") and says in r.stdout and r.stdout.count("\n") == 1
+
+
+@pytest.mark.parametrize("port", ["70000", "0", "x"])
+def test_a_rendezvous_port_that_is_not_one_is_refused(port):
+    with pytest.raises(runner.Refused, match=f"RDZV_PORT={port}: the rendezvous port is a number from 1 to 65535"):
+        line({"HOSTS": "u@a u@b", "RDZV_PORT": port})
 
 
 def test_make_stops_on_a_refusal_with_the_runners_line():

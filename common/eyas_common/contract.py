@@ -60,8 +60,13 @@ class DatasetError(Exception):
 
 
 def data_root() -> Path:
-    """The data root: $EYAS_DATA, else ./data (the images set EYAS_DATA=/data, where make mounts the host's DATA)."""
-    return Path(os.environ.get("EYAS_DATA", "data")).absolute()
+    """The data root: $EYAS_DATA, else ./data (the images set EYAS_DATA=/data, where make mounts the host's DATA).
+    A set but empty EYAS_DATA is refused: it would mean the working directory, where datasets land by mistake."""
+    value = os.environ.get("EYAS_DATA", "data")
+    if not value.strip():
+        raise DatasetError("EYAS_DATA is set but empty: set it to the data root folder (e.g. /data), or unset it "
+                           "for ./data")
+    return Path(value).absolute()
 
 
 @dataclass(frozen=True)
