@@ -15,6 +15,7 @@ from typing import Any
 import click
 
 from eyas_common.contract import DatasetError
+from eyas_common.launch import INTERRUPTED
 
 _OS_FIX = {
     errno.EROFS: "the volume is read-only: point EYAS_DATA (or the path) at a writable one",
@@ -26,11 +27,15 @@ _OS_FIX = {
 
 
 class EyasGroup(click.Group):
-    """A click group that turns DatasetError and user-caused OSErrors into one-line errors."""
+    """A click group that turns DatasetError and user-caused OSErrors into one-line errors, and a Ctrl-C that no
+    command handled (one that was not writing anything) into exit status 130 rather than click's `Aborted!`, 1."""
 
     def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
+        except KeyboardInterrupt:
+            click.echo("interrupted", err=True)
+            raise SystemExit(INTERRUPTED) from None
         except DatasetError as e:
             raise click.ClickException(e.message) from None
         except OSError as e:

@@ -16,7 +16,6 @@ from typing import Any, NamedTuple
 
 from eyas_common.contract import DatasetError
 
-INTERRUPTED = 130  # the exit status of a stage stopped by Ctrl-C or SIGTERM
 
 
 class Ranks(NamedTuple):

@@ -24,8 +24,9 @@ from tqdm import tqdm
 from eyas_common.chat import (ChatTokens, load_tokenizer, render_completion, render_prompt, resolve_thinking,
                               target_fingerprint, template_kwargs)
 from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, open_output, sha256_file
+from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
-from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
+from eyas_common.procs import sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
                                  new_sample, parse_budget, validate_sample)

@@ -9,7 +9,7 @@ import click
 
 from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.methods import METHODS
-from eyas_common.procs import INTERRUPTED
+from eyas_common.launch import INTERRUPTED
 from eyas_extract.config import AUX_DTYPES, BACKENDS, TEACHERS, ExtractOptions
 
 # eyas_extract.run (torch, transformers) is imported by the commands, not here: a Ctrl-C during those seconds of

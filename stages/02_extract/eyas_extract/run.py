@@ -33,9 +33,10 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, await_start, ch
 from eyas_common.hidden import (ShardCounts, ShardWriter, bytes_per_token, count_shard, made_shards, manifest_mutex,
                                 mark_budget_wait, missing_shards, read_runs, shard_layout, shard_name, shard_problem,
                                 update_manifest, write_run)
+from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WORKER_PART, WriterLock, describe, holder, lock_parts, worker_part
 from eyas_common.methods import default_layers
-from eyas_common.procs import INTERRUPTED, Ranks, sigterm_as_interrupt, torchrun_ranks
+from eyas_common.procs import Ranks, sigterm_as_interrupt, torchrun_ranks
 from eyas_common.samples import SAMPLES, index_samples, read_tokens, shortfall_note
 
 from eyas_extract.batching import make_batches, plan_shards

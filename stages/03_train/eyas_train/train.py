@@ -28,8 +28,9 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, 
 from eyas_common.drafts import (BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths,
                                 read_checkpoint, readable_checkpoint, write_checkpoint)
 from eyas_common.hidden import HiddenShards, consume, shard_name, size_text
+from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
-from eyas_common.procs import INTERRUPTED, sigterm_as_interrupt
+from eyas_common.procs import sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import MAY_CHANGE, TrainConfig
 from eyas_train.data import global_batches, per_sample, prefetch, rank_share, token_counts
