@@ -265,6 +265,15 @@ def test_open_output_is_the_one_create_or_resume_rule(tmp_path):
     with pytest.raises(DatasetError, match=r"synth/part was started from \[\]"):
         contract.open_output(part, params={"n": 1}, **kw | {"inputs": [{"ref": "x", "manifest_sha256": "y"}]})
     assert contract.open_output(part, params={"n": 2}, resume=False, **kw)["params"] == {"n": 2}
+    # a run stopped before it made anything (its files empty) is named as such: nothing would be lost to rm
+    empty = make_dataset(tmp_path, "empty", status="partial")
+    empty.write_manifest(empty.read_manifest() | {"params": {"n": 1}})
+    for f in empty.path.iterdir():
+        if f.name != "manifest.json":
+            f.write_bytes(b"")
+    with pytest.raises(DatasetError, match=re.escape("synth/empty was made with n=1 (now 2); nothing is in it yet: "
+                                                     "delete it (`eyas-data rm synth/empty --yes`) and rerun")):
+        contract.open_output(empty, params={"n": 2}, **kw)
     stray = Dataset.parse("synth/stray", root=tmp_path)
     stray.path.mkdir(parents=True)
     (stray.path / ".x.tmp-1").write_text("a killed writer's temp file is not data")

@@ -228,6 +228,12 @@ def is_temp(path: Path) -> bool:
     return path.name.startswith(".") and ".tmp-" in path.name
 
 
+def holds_work(ds: Dataset) -> bool:
+    """Whether a dataset folder holds anything but its manifest: a file with bytes in it (temp files aside)."""
+    return any(p.is_file() and p.name != MANIFEST and not is_temp(p) and p.stat().st_size
+               for p in ds.path.rglob("*"))
+
+
 def temp_target(tmp: Path) -> Path:
     """The file temp `tmp` (temp_path's) becomes on its rename."""
     return tmp.with_name(tmp.name[1:].rsplit(".tmp-", 1)[0])
@@ -589,7 +595,10 @@ def open_output(ds: Dataset, *, stage: str, params: dict[str, Any], may_change: 
     changed = changed_params(manifest.get("params", {}) if made_with is None else made_with, params,
                              may_change=may_change)
     if changed:
-        raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; {fix}")
+        empty = not done and not holds_work(ds)
+        raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; " + (
+            f"nothing is in it yet: delete it (`eyas-data rm {ds.ref} --yes`) and rerun with the new options, or "
+            f"resume it with the old ones" if empty else fix))
     if done and complete == "keep":
         return manifest
     add_producer(ds, manifest, stage, allow_code_change=allow_code_change)
