@@ -72,7 +72,9 @@ def test_prompt_files(tmp_path):
                                              "found a JSON string"),
                       ('{"prompt": 3}', "`prompt` must be a string, found a JSON number"),
                       ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
-                      ('{"messages": [', "malformed JSON")):
+                      ('{"messages": [{"role": "User", "content": "x"}]}', "no user turn to answer \\(its roles: "
+                                                                           "User; a turn to answer has role \"user\""),
+                      ('{"messages": [', "malformed JSON \\(Expecting value at column 14\\)")):
         p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")
         with pytest.raises(DatasetError, match=rf"p\.jsonl:2: .*{err}"):
             load_prompts(p)
@@ -118,11 +120,28 @@ def test_validate_sample_structure(tok):
     assert any("no <think> opens it" in e for e in validate_sample({**plain, "reasoning": "The answer is"}, tok))
 
 
-def test_thinking_defaults_from_the_target(tok):
+def test_thinking_defaults_from_the_target(tok, fixture_target, tmp_path):
     from eyas_common.chat import resolve_thinking
 
     assert resolve_thinking(tok, None)[0] is True  # <think>/</think> and a template that takes the switch
     assert resolve_thinking(tok, False) == (False, "as asked")
+    # a target whose tokenizer has no thinking wrappers (SmolLM2): off by default, and --thinking refused, since
+    # it would check plain answers as reasoning (it was taken "as asked")
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    for f in fixture_target.iterdir():
+        if f.name.startswith("tokenizer") or f.name == "chat_template.jinja":
+            text = f.read_text().replace("<think>", "<ponder>").replace("</think>", "</ponder>")
+            (plain / f.name).write_text(text)
+    no_think = load_tokenizer(plain)
+    assert resolve_thinking(no_think, None) == (False, "the tokenizer has no <think>/</think> tokens")
+    assert resolve_thinking(no_think, False) == (False, "as asked")
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 1, seed=1)
+    r = CliRunner().invoke(synth_cli, ["run", "--prompts", str(prompts), "--name", "t", "--model", str(plain),
+                                       "--server", "http://127.0.0.1:1", "--thinking"], env={"EYAS_DATA": str(tmp_path)})
+    assert r.exit_code == 1 and r.output.splitlines()[-1] == (
+        "Error: --thinking: the target's tokenizer has no <think>/</think> tokens, so it never thinks; leave "
+        "--thinking out (thinking is off for such a target)"), r.output
 
 
 def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkeypatch):
@@ -383,3 +402,133 @@ def test_sigkill_mid_run_then_resume(vllm_server, fixture_target, tok, tmp_path)
     out = subprocess.run([str(REPO / ".venv" / "bin" / "eyas-synth"), "validate", "killed"], env=env,
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
+
+
+# ------------------------------------------------------------------------------------------------
+# probed: bad servers and bad --server values
+
+
+def test_answers_that_are_no_sample_are_rejected_without_a_crash(tok, fixture_target, tmp_path):
+    """Completion ids no tokenizer decodes (negative) crashed the run with a traceback; ids outside the vocabulary
+    made a complete dataset eyas-extract refuses; content parts (a list) crashed the rendering of a text answer."""
+    from eyas_testing.stub import vllm_body
+
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 3, seed=5)
+    eot = ChatTokens.of(tok).end_of_turn
+
+    def ids(bad):  # a sound answer but for one id in its content, which decode() raises on (-5) or drops (oov)
+        def answer(payload):
+            prompt = render_prompt(tok, payload["messages"])
+            return vllm_body("", prompt, render_completion(tok, prompt, "hm", "")[:-1] + [bad, eot], reasoning="hm")
+        return answer
+
+    def parts(payload):
+        body = vllm_body("", [], [])
+        body["choices"][0]["message"]["content"] = [{"type": "text", "text": "hi"}]
+        return {k: v for k, v in body.items() if k != "prompt_token_ids"}
+
+    for name, answer, why in (("neg", ids(-5), "token_ids hold ids that are not token ids of --model's tokenizer"),
+                              ("oov", ids(len(tok) + 7), "token_ids hold ids that are not token ids of --model's"),
+                              ("parts", parts, "message content is a JSON array, not a string")):
+        with start_stub(answer=answer) as stub:
+            with pytest.raises(DatasetError, match=rf"synth/{name} stays partial: no usable sample.*{why}"):
+                synth(prompts=prompts, name=name, model=fixture_target, servers=[stub.url], n=3, concurrency=3,
+                      served_model="fixture", seed=0, data_root=tmp_path, progress=False)
+        rejected = [r["id"] for _, r in iter_jsonl(tmp_path / "synth" / name / "rejected.jsonl")]
+        assert sorted(rejected) == [0, 1, 2]
+
+
+def test_every_server_url_is_checked_before_any_request(tok, fixture_target, tmp_path):
+    """A --server without a scheme was first named by httpx ("missing an 'http://'", "is the server up?"), one that
+    httpx cannot parse was a traceback, and a second --server was never checked: down, schemeless or serving another
+    model, it failed every request sent to it while the run went on."""
+    import http.server
+    import threading
+
+    class Other(http.server.BaseHTTPRequestHandler):  # a server of another model name
+        def do_GET(self) -> None:  # noqa: N802
+            raw = json.dumps({"object": "list", "data": [{"id": "other-model", "max_model_len": 64}]}).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(raw)))
+            self.end_headers()
+            self.wfile.write(raw)
+
+        def log_message(self, *args) -> None:
+            pass
+
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 2, seed=5)
+    other = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Other)
+    threading.Thread(target=other.serve_forever, daemon=True).start()
+    other_url = f"http://127.0.0.1:{other.server_port}"
+    try:
+        with start_stub(answer=rendering_answer(tok)) as stub:
+            host = stub.url.removeprefix("http://")
+            for servers, err in (([host], rf"--server '{host}': no scheme; write it as http://{host}"),
+                                 ([stub.url, host], rf"--server '{host}': no scheme"),
+                                 (["http://[::1"], r"--server 'http://\[::1' is not a URL .*write it as http://HOST"),
+                                 ([f"{stub.url}/v1/chat/completions"], rf"names a route; pass the server's base URL, "
+                                                                       rf"{stub.url}$"),
+                                 ([stub.url, "http://127.0.0.1:1"], r"127\.0\.0\.1:1/v1/models \(ConnectError.*leave "
+                                                                    r"that --server out"),
+                                 ([stub.url, other_url], rf"{other_url} serves other-model, not 'eyas-stub' as "
+                                                         rf"{stub.url} does: every --server must serve the same")):
+                r = CliRunner().invoke(synth_cli, ["run", "--prompts", str(prompts), "--name", "urls", "--model",
+                                                   str(fixture_target), *(a for s in servers for a in ("--server", s))],
+                                       env={"EYAS_DATA": str(tmp_path)})
+                assert r.exit_code == 1 and isinstance(r.exception, SystemExit), r.output
+                assert re.search(err, r.output.splitlines()[-1]) and "Traceback" not in r.output, r.output
+            assert not stub.counts().get("ok") and not (tmp_path / "synth" / "urls").exists()
+    finally:
+        other.shutdown()
+
+
+def test_validate_checks_every_id_against_the_manifest(tok, fixture_target, tmp_path, monkeypatch):
+    """A complete dataset whose files agree with its manifest but hold an id outside [0, n), or lack ids the manifest
+    does not list as missing, passed validate ("0 unsound"); and a target folder gone from this machine was named as
+    a --model the user never passed."""
+    from eyas_common.contract import finalize
+
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 5, seed=3)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        synth(prompts=prompts, name="ids", model=fixture_target, servers=[stub.url], n=5, served_model="fixture",
+              seed=0, data_root=tmp_path, progress=False)
+    ds = Dataset.parse("ids", "synth", tmp_path)
+    path = ds.path / "samples.jsonl"
+    lines = path.read_text().splitlines(keepends=True)
+    moved = json.loads(lines[1]) | {"id": 99}
+    path.write_text(lines[0] + json.dumps(moved) + "\n" + "".join(lines[2:4]))  # id 1 -> 99, id 4 dropped
+    finalize(ds, ds.read_manifest(), stats=ds.read_manifest()["stats"], records={"samples.jsonl": 4})
+    monkeypatch.setenv("EYAS_DATA", str(tmp_path))
+    r = CliRunner().invoke(synth_cli, ["validate", "ids"])
+    assert r.exit_code == 1, r.output
+    assert "sample 99: id outside [0, 5): no run with --n 5 asks for it (samples.jsonl line 2)" in r.output
+    for sid in (1, 4):
+        assert f"sample {sid}: no answer (in none of samples, truncated, rejected), and the manifest does not list " \
+               f"it as missing" in r.output, r.output
+    assert "4 samples, 3 unsound" in r.output
+    m = ds.read_manifest()
+    ds.write_manifest(m | {"target": m["target"] | {"model": str(tmp_path / "gone")}})
+    finalize(ds, ds.read_manifest(), stats=m["stats"], records={"samples.jsonl": 4})
+    r = CliRunner().invoke(synth_cli, ["validate", "ids"])
+    assert r.output == f"Error: synth/ids was made with the target {tmp_path / 'gone'}, which is not a folder on " \
+                       f"this machine; pass the target's folder with --model\n", r.output
+
+
+def test_a_rerun_on_changed_prompts_says_so_in_words(tok, fixture_target, tmp_path):
+    """A rerun with another prompts file (or the same file, edited) was refused with two sha256 hashes and no
+    word of which file or option."""
+    prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 3, seed=3)
+    with start_stub(answer=rendering_answer(tok)) as stub:
+        kw = dict(name="moved", model=fixture_target, servers=[stub.url], n=3, served_model="fixture", seed=0,
+                  data_root=tmp_path, progress=False)
+        synth(prompts=prompts, **kw)
+        other = write_prompts_jsonl(tmp_path / "other.jsonl", 3, seed=4)
+        with pytest.raises(DatasetError, match=rf"synth/moved was made from other prompts than --prompts {other} "
+                                               rf"holds now \(it was {prompts}\); resume it with the prompts it was "
+                                               rf"made from, or pick another --name$"):
+            synth(prompts=other, **(kw | {"n": 4}))
+        with open(prompts, "a") as f:
+            f.write(json.dumps({"prompt": "one more"}) + "\n")
+        with pytest.raises(DatasetError, match=r"\(the same file, changed since\)") as e:
+            synth(prompts=prompts, **(kw | {"n": 4}))
+        assert "sha256" not in e.value.message

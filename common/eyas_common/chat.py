@@ -107,10 +107,14 @@ def resolve_thinking(tokenizer, requested: bool | None) -> tuple[bool, str]:
     conversation renders differently with it on and off). A target without `<think>` (SmolLM2) never
     opens a thinking block, so "on" there would only make its plain answers look like reasoning.
     """
+    tokens = ChatTokens.of(tokenizer)
+    wrapped = tokens.think_open is not None and tokens.think_close is not None
+    if requested and not wrapped:  # it would check plain answers as reasoning, and reject every truncated one
+        raise DatasetError("--thinking: the target's tokenizer has no <think>/</think> tokens, so it never thinks; "
+                           "leave --thinking out (thinking is off for such a target)")
     if requested is not None:
         return requested, "as asked"
-    tokens = ChatTokens.of(tokenizer)
-    if tokens.think_open is None or tokens.think_close is None:
+    if not wrapped:
         return False, "the tokenizer has no <think>/</think> tokens"
     probe = [{"role": "user", "content": "hi"}]
     if render_prompt(tokenizer, probe, True) == render_prompt(tokenizer, probe, False):

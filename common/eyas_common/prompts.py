@@ -45,7 +45,9 @@ def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
     while msgs and msgs[-1]["role"] == "assistant":
         msgs.pop()
     if not msgs or msgs[-1]["role"] != "user":
-        raise DatasetError(f"{where}: the conversation has no user turn to answer")
+        roles = ", ".join(dict.fromkeys(str(m.get("role")) for m in msgs)) or "none"
+        raise DatasetError(f"{where}: the conversation has no user turn to answer (its roles: {roles}; a turn to "
+                           f"answer has role \"user\", lower case)")
     return msgs
 
 
@@ -83,7 +85,7 @@ def load_prompts(path: Path) -> list[list[dict[str, str]]]:
                 continue
             if jsonl:
                 try:
-                    rec = json.loads(line)
+                    rec = json.loads(line.rstrip("\r\n"))  # with its newline, an unclosed line errs at column 1
                 except json.JSONDecodeError as e:
                     raise DatasetError(f"{where}: malformed JSON ({e.msg} at column {e.colno})") from None
                 out.append(_from_record(rec, where))

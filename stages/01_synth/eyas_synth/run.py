@@ -23,7 +23,8 @@ from tqdm import tqdm
 
 from eyas_common.chat import (ChatTokens, load_tokenizer, render_completion, render_prompt, resolve_thinking,
                               target_fingerprint, template_kwargs)
-from eyas_common.contract import Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, open_output, sha256_file
+from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, json_type, open_output,
+                                  sha256_file)
 from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
 from eyas_common.procs import sigterm_as_interrupt
@@ -128,11 +129,24 @@ def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tupl
     if isinstance(server_prompt, list) and list(server_prompt) != prompt_ids:
         problems.append("the server's prompt_token_ids differ from the target tokenizer's rendering: "
                         "the server runs another tokenizer or chat template than --model")
+    # text that is not a string (content parts, a number) can be neither rendered nor checked against ids
+    problems += [f"the server's message {k} is a JSON {json_type(v)}, not a string" for k, v in
+                 (("content", content), ("reasoning", reasoning)) if v is not None and not isinstance(v, str)]
+    completion: list = []
     if isinstance(server_prompt, list) and isinstance(server_completion, list) and server_completion:
         source, completion = "server", list(server_completion)
+        vocab = len(st.tokenizer)
+        if not all(type(t) is int and 0 <= t < vocab for t in completion):  # decode() raises on these, or lies
+            problems.append(f"the server's token_ids hold ids that are not token ids of --model's tokenizer "
+                            f"[0, {vocab}): the server runs another model than --model")
+    elif not problems:
+        source = "rendered"
+        try:
+            completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
+        except ValueError as e:  # reasoning from a target without <think>/</think> tokens
+            problems.append(f"the server's answer cannot be rendered with --model's tokenizer: {e}")
     else:
         source = "rendered"
-        completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
     sample = new_sample(id=sid, prompt_index=pi, messages=st.conversations[pi], thinking=st.cfg.thinking,
                         reasoning=reasoning, content=content, prompt_ids=prompt_ids, completion_ids=completion,
                         finish_reason=finish, source=source, server=server)
@@ -177,25 +191,77 @@ def scan(ds: Dataset, manifest: dict[str, Any]) -> tuple[set[int], Counts]:
     return done, c
 
 
-def server_info(server: str) -> tuple[str, int | None]:
-    """The served model name (first /v1/models entry) and its context length (vLLM's max_model_len)."""
+def check_server_url(server: str) -> str:
+    """--server as its base URL (http(s)://host[:port][/prefix], a trailing /v1 dropped); a malformed one is refused
+    in one line naming it, before anything is asked of it (httpx's own error says neither which --server nor the fix)."""
+    try:
+        url = httpx.URL(server)
+        scheme, host, path = url.scheme, url.host, url.path
+    except httpx.InvalidURL as e:
+        raise DatasetError(f"--server {server!r} is not a URL ({e}); write it as http://HOST:PORT") from None
+    if scheme not in ("http", "https"):
+        example = f"http://{server}" if "://" not in server else "http://HOST:PORT"
+        raise DatasetError(f"--server {server!r}: {f'scheme {scheme!r}' if '://' in server else 'no scheme'}; write it "
+                           f"as {example} (an OpenAI-compatible server's base URL)")
+    if not host:
+        raise DatasetError(f"--server {server!r}: no host; write it as http://HOST:PORT")
     base = server.rstrip("/").removesuffix("/v1")
+    for route in ("/chat/completions", "/models"):
+        if path.rstrip("/").endswith(route):
+            raise DatasetError(f"--server {server!r} names a route; pass the server's base URL, "
+                               f"{base[:base.rindex(route)].removesuffix('/v1')}")
+    return base
+
+
+def _models(base: str) -> tuple[list[str], dict[str, int | None]]:
+    """The model names a server lists at /v1/models, and each one's context length (vLLM's max_model_len)."""
     try:
         r = httpx.get(f"{base}/v1/models", timeout=30, trust_env=False)
     except httpx.HTTPError as e:
         raise DatasetError(f"cannot read the served model from {base}/v1/models ({type(e).__name__}: {e}); is the "
-                           f"server up at that --server URL?") from None
+                           f"server up at that --server URL? Start it, or leave that --server out") from None
     if r.status_code != 200:  # it answered: say what, in one line (httpx's own message spans two)
         body = " ".join(r.text.split())[:200]
         raise DatasetError(f"{base}/v1/models answered HTTP {r.status_code} ({body or 'no body'}); that --server "
                            f"must be an OpenAI-compatible server (vLLM, SGLang) that is ready: check its log")
     try:
-        entry = r.json()["data"][0]
-        length = entry.get("max_model_len")
-        return entry["id"], int(length) if isinstance(length, int) and length > 0 else None
+        entries = r.json()["data"]
+        lengths = {e["id"]: e.get("max_model_len") for e in entries}
+        if not lengths or not all(isinstance(k, str) for k in lengths):
+            raise ValueError("no model ids")
     except (KeyError, IndexError, ValueError, TypeError, AttributeError) as e:
         raise DatasetError(f"{base}/v1/models did not list a model ({type(e).__name__}: {e}); that --server must "
                            f"be an OpenAI-compatible server (vLLM, SGLang)") from None
+    return list(lengths), {k: int(v) if type(v) is int and v > 0 else None for k, v in lengths.items()}
+
+
+def server_info(server: str) -> tuple[str, int | None]:
+    """The served model name (first /v1/models entry) and its context length (vLLM's max_model_len)."""
+    names, lengths = _models(check_server_url(server))
+    return names[0], lengths[names[0]]
+
+
+def servers_info(servers: list[str], served_model: str | None) -> tuple[str, int | None]:
+    """The model name to request and the context every server gives it (the smallest; None: none says).
+
+    Every --server is asked, not only the first: one that is down or serves another model fails each request
+    sent to it (a refused connection, a 404 for the model name) and one with a smaller context each long one
+    (a 400 for max_tokens), and the run ends short naming a request, not the --server to fix. A --served-model
+    given is taken as said (SGLang answers to any name; vLLM lists the names it answers to)."""
+    bases = [check_server_url(s) for s in servers]
+    name, contexts = served_model, []
+    for base in bases:
+        names, lengths = _models(base)
+        if name is None:
+            name = names[0]
+        elif served_model is None and name not in lengths:
+            raise DatasetError(f"{base} serves {', '.join(names[:5])}{' ...' if len(names) > 5 else ''}, not "
+                               f"{name!r} as {bases[0]} does: every --server must serve the same target; if they "
+                               f"serve it under different names, serve it under one (vLLM --served-model-name) and "
+                               f"pass that name with --served-model")
+        contexts.append(lengths.get(name, lengths[names[0]]))  # a name not listed: the server's one model
+    known = [c for c in contexts if c is not None]
+    return name, min(known) if known else None
 
 
 def _render_prompts(conversations: list[list[dict]], todo: list[int], tokenizer, cfg: SynthConfig
@@ -337,6 +403,8 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
     """Make (or resume) synth dataset `name`; returns its final stats."""
     if not servers:
         raise DatasetError("no --server given: pass the base URL of a running vLLM or SGLang server")
+    for server in servers:  # before the slow part (the tokenizer), and before any request
+        check_server_url(server)
     for opt, value, low in (("--n", n, 1), ("--concurrency", concurrency, 1), ("--max-tokens", max_tokens, 1),
                             ("--max-attempts", max_attempts, 1), ("--timeout", timeout_s, 1e-9)):
         if value is not None and value < low:
@@ -351,10 +419,10 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
     thinking, why = resolve_thinking(tokenizer, thinking)
     print(f"[synth] thinking {'on' if thinking else 'off'} ({why})", file=sys.stderr)
     ds = Dataset.parse(name, "synth", data_root)
-    served, context = server_info(servers[0])
+    served, context = servers_info(list(servers), served_model)
     cfg = SynthConfig(
         prompts=str(prompts), prompts_sha256=sha256_file(prompts), model=str(model),
-        served_model=served_model or served, servers=list(servers), n=len(conversations) if n is None else n,
+        served_model=served, servers=list(servers), n=len(conversations) if n is None else n,
         max_tokens=max_tokens, max_model_len=context, temperature=temperature, top_p=top_p, thinking=thinking,
         seed=seed, drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s,
         max_attempts=max_attempts, allow_missing=str(allow_missing), allow_rejected=str(allow_rejected),
@@ -367,6 +435,11 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
 def _prepare(ds: Dataset, cfg: SynthConfig, tokenizer, conversations: list[list[dict]],
              allow_code_change: bool) -> RunState:
     """Check everything, then (and only then) write the partial manifest: a refused rerun changes nothing."""
+    made = (ds.read_manifest().get("params") or {}) if ds.exists() else {}
+    if made.get("prompts_sha256") not in (None, cfg.prompts_sha256):  # open_output would name two hashes only
+        same = "the same file, changed since" if made.get("prompts") == cfg.prompts else f"it was {made.get('prompts')}"
+        raise DatasetError(f"{ds.ref} was made from other prompts than --prompts {cfg.prompts} holds now ({same}); "
+                           f"resume it with the prompts it was made from, or pick another --name")
     # A complete dataset is extended (a larger --n); the manifest is written below, only if there is work.
     manifest = open_output(ds, stage="01_synth", params=asdict(cfg), may_change=MAY_CHANGE,
                            target=target_fingerprint(tokenizer, cfg.model), inputs=[],
