@@ -1,5 +1,6 @@
-"""The console scripts' entry (eyas_common.launch) and the CLIs' group: a Ctrl-C before a command's own handling
-is one line and exit status 130, never an import traceback nor click's `Aborted!` with 1."""
+"""The console scripts' entry (eyas_common.launch) and the CLIs' group (cli_errors): a Ctrl-C before a command's
+own handling is one line and exit status 130, never an import traceback nor click's `Aborted!` with 1; a file where
+a folder must be is one line."""
 
 from __future__ import annotations
 
@@ -49,3 +50,20 @@ def test_an_interrupt_no_command_handled_exits_130():
 
     r = CliRunner().invoke(cli, ["wait"])
     assert r.exit_code == 130 and r.output == "interrupted\n" and "Aborted" not in r.output
+
+
+def test_a_file_where_a_folder_must_be_is_one_line():
+    """EYAS_DATA (or a path under it) naming a file: a stage's first mkdir raised NotADirectoryError, a traceback."""
+    import errno
+
+    @click.group(cls=EyasGroup)
+    def cli() -> None:
+        pass
+
+    @cli.command()
+    def make() -> None:
+        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", "/srv/data/drafts")
+
+    r = CliRunner().invoke(cli, ["make"])
+    assert r.exit_code == 1 and r.output == ("Error: /srv/data/drafts: Not a directory; a file is where a folder must "
+                                             "be: point EYAS_DATA (or the path) at a folder\n"), r.output

@@ -23,6 +23,7 @@ _OS_FIX = {
     errno.EPERM: "not permitted: fix the owner/permissions, or point EYAS_DATA at a folder you own",
     errno.ENOSPC: "disk full: free space or point EYAS_DATA at a larger volume, then rerun (finished work is kept)",
     errno.EDQUOT: "disk quota exceeded: free space or point EYAS_DATA at another volume, then rerun",
+    errno.ENOTDIR: "a file is where a folder must be: point EYAS_DATA (or the path) at a folder",
 }
 
 
