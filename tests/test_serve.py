@@ -318,7 +318,8 @@ def test_a_draft_for_another_target_is_refused_before_anything_starts(change, tm
     assert r.returncode == 1 and "Traceback" not in r.stderr
     msg = r.stderr.strip().splitlines()[-1]
     if change == "hidden_size":
-        assert "trained for a target of hidden size 128" in msg and "has hidden size 256" in msg, msg
+        assert f"drafts/d was trained for another target ({fixture_target}): this one's config.json has " \
+            "hidden_size 256 (the draft's: 128)" in msg, msg
     else:
         assert "tokenizer loaded from" in msg and str(other) in msg and str(fixture_target) in msg, msg
     assert not log.exists()

@@ -277,3 +277,227 @@ def test_eval_refuses_an_out_it_cannot_write_before_evaluating(base, fixture_tar
     with tmpfs(tmp_path / "ro", "ro,size=1m"):
         out = tmp_path / "ro" / "new" / "x.json"
         refused(cli(root, *args, str(out)), f"--out {out}: cannot write in {tmp_path / 'ro'} (Read-only file system)")
+
+
+# ------------------------------------------------------------------------------------------------
+# 6. a --model that is not the hidden dataset's target, or whose files cannot be read
+
+
+def other_target(fixture_target: Path, folder: Path, **change: int) -> Path:
+    """A random Llama with the fixture's tokenizer and chat template (so the tokenizer check passes: another size
+    of the same family) and `change` applied to the fixture's config."""
+    cfg = json.loads((fixture_target / "config.json").read_text())
+    cfg.pop("architectures", None)
+    transformers.LlamaForCausalLM(transformers.LlamaConfig(**(cfg | change))).save_pretrained(folder)
+    for f in fixture_target.iterdir():
+        if f.is_file() and f.suffix != ".safetensors" and f.name not in ("config.json", "model.safetensors.index.json"):
+            shutil.copy(f, folder / f.name)
+    return folder
+
+
+def test_a_model_sharing_the_tokenizer_but_not_the_target_is_refused_everywhere(base, fixture_target, tmp_path,
+                                                                                 no_target_load):
+    """run, export --model and eval each refuse it in one line naming what differs, before any work (no
+    traceback from a shape mismatch deep in the draft's set-up)."""
+    root, hidden = base
+    cfg = json.loads((fixture_target / "config.json").read_text())
+    other = other_target(fixture_target, tmp_path / "other", hidden_size=2 * cfg["hidden_size"])
+    refused(cli(root, *train(hidden, other, "wrong_model")), f"--model {other} is not the target {hidden.ref}",
+            f"hidden_size {2 * cfg['hidden_size']} (the dataset's: {cfg['hidden_size']})")
+    assert not (root / "drafts" / "wrong_model").exists()
+    refused(cli(root, "export", "base", "--out", "wrong_export", "--model", str(other)),
+            f"--model {other} is not the target drafts/base was trained for")
+    assert not (root / "drafts" / "wrong_export").exists()
+    prompts = write_prompts_jsonl(root / "p.jsonl", 1, seed=2)
+    refused(cli(root, "eval", "--draft", "drafts/base", "--model", str(other), "--prompts", str(prompts)),
+            f"drafts/base was trained for another target ({fixture_target}): this one's config.json has hidden_size "
+            f"{2 * cfg['hidden_size']} (the draft's: {cfg['hidden_size']})")
+
+
+def test_a_model_with_a_cut_short_weights_file_is_refused_naming_it(base, fixture_target, tmp_path):
+    root, hidden = base
+    model = tmp_path / "model"
+    shutil.copytree(fixture_target, model)
+    weights = sorted(model.glob("*.safetensors"))[0]
+    os.truncate(weights, 5000)
+    refused(cli(root, *train(hidden, model, "cut_model")), f"--model {weights}: not a whole safetensors file",
+            "pass the target")
+    assert not (root / "drafts" / "cut_model").exists()
+
+
+def test_export_of_a_draft_whose_target_moved_names_the_fix(base, fixture_target, tmp_path):
+    """export reads the target's config (token ids, dtype) from where it was at training time: once it moved,
+    export says so in one line, and --model gives it the new place."""
+    root, _ = base
+    ds = clone(root, "moved")
+    m = ds.read_manifest()
+    m["params"]["config"]["model"] = str(tmp_path / "gone")
+    ds.write_manifest(m)
+    refused(cli(root, "export", ds.name, "--step", "2", "--out", "moved_2"),
+            f"drafts/moved was trained for the target at {tmp_path / 'gone'}", "pass --model")
+    assert not (root / "drafts" / "moved_2").exists()
+    r = cli(root, "export", ds.name, "--step", "2", "--out", "moved_2", "--model", str(fixture_target))
+    assert r.exit_code == 0, r.output
+    assert verify(Dataset.parse("moved_2", "drafts", root)) == []
+
+
+# ------------------------------------------------------------------------------------------------
+# 7. an --init-draft that is not a whole EAGLE-3 draft
+
+
+def _init_config(folder: Path, change: Callable[[dict], None]) -> None:
+    cfg = json.loads((folder / "config.json").read_text())
+    change(cfg)
+    (folder / "config.json").write_text(json.dumps(cfg))
+
+
+def _init_weights(folder: Path, change: Callable[[dict], None]) -> None:
+    tensors = load_file(str(folder / "model.safetensors"))
+    change(tensors)
+    save_file(tensors, str(folder / "model.safetensors"))
+
+
+INIT_DAMAGES = {
+    "config not JSON": (lambda f: (f / "config.json").write_text("{bad"), "config.json is not valid JSON"),
+    "weights not safetensors": (lambda f: (f / "model.safetensors").write_bytes(random.Random(0).randbytes(4096)),
+                                "model.safetensors is not a readable safetensors file"),
+    "unknown config field": (lambda f: _init_config(f, lambda c: c["eyas_draft_config"].update(foo=1)),
+                             "eyas_draft_config is not this eyas's draft config (got an unexpected keyword "
+                             "argument 'foo')"),
+    "shapes": (lambda f: _init_config(f, lambda c: c["eyas_draft_config"].update(intermediate_size=7)),
+               "its tensors do not have the shapes"),
+    "a tensor missing": (lambda f: _init_weights(f, lambda t: t.pop("fc.weight")),
+                         "no fc.weight in model.safetensors"),
+}
+
+
+@pytest.mark.parametrize("damage", INIT_DAMAGES)
+def test_an_init_draft_that_is_not_a_whole_draft_is_refused_before_training(base, fixture_target, tmp_path, damage):
+    root, hidden = base
+    init = tmp_path / "init"
+    shutil.copytree(root / "drafts" / "base", init)
+    hurt, says = INIT_DAMAGES[damage]
+    hurt(init)
+    name = "init_" + damage.replace(" ", "_")
+    refused(cli(root, *train(hidden, fixture_target, name), "--init-draft", str(init)), f"--init-draft {init}",
+            says)
+    assert not (root / "drafts" / name).exists()
+
+
+def test_a_target_folder_given_as_init_draft_is_refused_in_a_short_line(base, fixture_target):
+    root, hidden = base
+    line = refused(cli(root, *train(hidden, fixture_target, "init_target"), "--init-draft", str(fixture_target)),
+                   "unexpected tensors in the draft file", "more (not an EAGLE-3 draft's")
+    assert len(line) < 600, line
+
+
+# ------------------------------------------------------------------------------------------------
+# 8. option values that could only be wrong
+
+
+def test_epochs_that_round_to_no_step_are_refused(base, fixture_target):
+    """12 samples at batch 4 are 3 steps a pass: --epochs 0.1 would export the untrained draft as if trained."""
+    root, hidden = base
+    args = train(hidden, fixture_target, "few_epochs")
+    args[args.index("--epochs") + 1] = "0.1"
+    refused(cli(root, *args), "--epochs 0.1 is 0.3 of the 3 steps a pass", "at least --epochs 0.333 (one step)")
+    assert not (root / "drafts" / "few_epochs").exists()
+
+
+@pytest.mark.parametrize("extra, says", [
+    (["--ttt-steps", "33"], "'--ttt-steps': 33 is not in the range 1<=x<=32"),
+    (["--seed", str(2**63)], "'--seed': 9223372036854775808 is not in the range 0<=x<=4294967295"),
+    (["--block-size", "4"], "--block-size: DFlash option(s), which an EAGLE-3 run would ignore"),
+    (["--method", "dflash", "--init-draft", "drafts/base"], "--init-draft starts EAGLE-3 drafts only for now"),
+])
+def test_options_a_run_would_ignore_or_run_out_of_memory_with_are_refused(base, fixture_target, extra, says):
+    root, hidden = base
+    r = cli(root, *train(hidden, fixture_target, "ignored"), *extra)
+    assert r.exit_code == 2 and says in r.output, r.output
+    assert not (root / "drafts" / "ignored").exists()
+
+
+def test_a_mask_token_outside_the_vocabulary_is_one_line(base, fixture_target):
+    root, hidden = base
+    refused(cli(root, *train(hidden, fixture_target, "dfl_mask"), "--method", "dflash", "--mask-token-id",
+                "1000000000"), "--mask-token-id 1000000000 is outside the target vocabulary", "pass an id below")
+
+
+def test_a_hidden_manifest_without_its_layers_is_one_line(base, fixture_target, tmp_path):
+    root, hidden = base
+    data = tmp_path / "data"
+    shutil.copytree(hidden.path, data / "hidden" / hidden.name)
+    copy = Dataset.parse(hidden.name, "hidden", data)
+    m = copy.read_manifest()
+    del m["params"]["layers"]
+    copy.write_manifest(m)
+    refused(cli(data, *train(copy, fixture_target, "no_layers")), f"{copy.manifest_path} has no valid params.layers",
+            "eyas-data rm hidden/")
+
+
+# ------------------------------------------------------------------------------------------------
+# 9. eval prompts the target's template refuses, before the target is loaded
+
+
+def test_eval_refuses_a_prompt_the_chat_template_refuses_before_loading_the_target(base, fixture_target,
+                                                                                  no_target_load):
+    root, _ = base
+    prompts = root / "roles.jsonl"
+    prompts.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"}]}) + "\n"
+                       + json.dumps({"messages": [{"role": "tool", "content": "x"},
+                                                  {"role": "user", "content": "hi"}]}) + "\n")
+    refused(cli(root, "eval", "--draft", "drafts/base", "--model", str(fixture_target), "--prompts", str(prompts)),
+            f"--prompts {prompts}: prompt 2 (roles tool, user): the target's chat template refuses it")
+
+
+def test_eval_refuses_an_unknown_device_map_before_any_work(base, fixture_target, no_target_load):
+    root, _ = base
+    prompts = write_prompts_jsonl(root / "p.jsonl", 1, seed=2)
+    refused(cli(root, "eval", "--draft", "drafts/base", "--model", str(fixture_target), "--prompts", str(prompts),
+                "--device-map", "junk"), "--device-map junk: expected auto, balanced")
+
+
+def test_a_max_len_that_keeps_no_completion_token_is_refused(base, fixture_target):
+    """--max-len 2 cuts every sample inside its prompt: the draft would train on nothing, and say loss 0."""
+    root, hidden = base
+    refused(cli(root, *train(hidden, fixture_target, "short"), "--max-len", "2"),
+            f"--max-len 2 keeps no completion token of {hidden.ref}", "raise it")
+    assert not (root / "drafts" / "short").exists()
+
+
+def test_a_resume_after_the_target_moved_says_how_to_resume(base, fixture_target, tmp_path):
+    """--model is part of the settings a resume must repeat; once the target moved, the old path cannot be given
+    again, so the refusal says how to make it work (a link), and the link resumes."""
+    import torch
+
+    base_root, hidden = base
+    root = linked_root(base_root, tmp_path)
+    ds = clone(base_root, "base", into=root)
+    ds.write_manifest({**ds.read_manifest(), "status": "partial"})  # as if its run had been killed
+    gone = tmp_path / "gone"
+    for ckpt in (ds.path / "checkpoints").glob("step-*.pt"):
+        payload = torch.load(ckpt, weights_only=False)
+        payload["config"]["model"] = str(gone)
+        torch.save(payload, ckpt)
+    refused(cli(root, *train(hidden, fixture_target, ds.name)), f"the target is no longer at {gone}: link it there",
+            f"`ln -s {fixture_target} {gone}`", "resume from its checkpoint at step 3")
+    gone.symlink_to(fixture_target)  # the fix the line gives
+    r = cli(root, *train(hidden, gone, ds.name))
+    assert r.exit_code == 0 and "resuming at step 3" in r.output, r.output
+
+
+def test_a_run_from_an_init_draft_resumes_after_that_draft_is_gone(base, fixture_target, tmp_path):
+    """The init draft is read once: a resumed run takes its weights from the checkpoint and its shape from the
+    manifest, so deleting (or moving) the init draft after the start does not strand the checkpoints."""
+    base_root, hidden = base
+    root = linked_root(base_root, tmp_path)
+    clone(base_root, "init_src", into=root)
+    args = [*train(hidden, fixture_target, "fine"), "--init-draft", "drafts/init_src"]
+    assert cli(root, *args).exit_code == 0
+    ds = Dataset.parse("fine", "drafts", root)
+    ds.write_manifest({**ds.read_manifest(), "status": "partial"})  # as if killed before its last checkpoint
+    (ds.path / "checkpoints" / "step-00000003.pt").unlink()
+    shutil.rmtree(root / "drafts" / "init_src")
+    r = cli(root, *args)
+    assert r.exit_code == 0 and "resuming at step 2" in r.output, r.output
+    assert ds.read_manifest()["status"] == "complete" and verify(ds) == []

@@ -90,7 +90,15 @@ def weight_files(model: str | Path) -> dict[str, Path]:
     files = sorted(model.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"no *.safetensors in {model}: the target must be a local safetensors checkpoint")
-    return {name: f for f in files for name in read_header(f) if name != "__metadata__"}
+    return {name: f for f in files for name in _header_of(f) if name != "__metadata__"}
+
+
+def _header_of(path: Path) -> dict[str, Any]:
+    """read_header, its ValueError naming the file (weight_files reads several)."""
+    try:
+        return read_header(path)
+    except ValueError as e:
+        raise ValueError(f"{path}: not a whole safetensors file ({e})") from None
 
 
 def read_header(path: Path) -> dict[str, Any]:

@@ -174,10 +174,24 @@ def check_folder(ds: Dataset, manifest: dict[str, Any], target: dict[str, Any] |
     _check_shapes(ds.path / CONFIG_FILE, cfg, header)
     _check_own_config(ds.path / CONFIG_FILE, cfg)
     _check_layers(ds.path / CONFIG_FILE, cfg, target)
+    differ = target_mismatch(target or {}, cfg)
+    if differ:  # another size of the same family shares the tokenizer, so the fingerprint check passed it
+        raise DatasetError(f"{ds.ref} was trained for another target ({(manifest.get('target') or {}).get('model')}): "
+                           f"this one's config.json has {', '.join(differ)}; pass the target it was trained for "
+                           f"(--model), or train a draft for this one (make train)")
     # after the checks above, which name the field where a hash could not; the served files only: the
     # checkpoints beside them can be tens of GB for a large target, and a server never reads them
     check_intact(ds, manifest, {CONFIG_FILE, WEIGHTS_FILE})
     return cfg
+
+
+def target_mismatch(target: dict[str, Any], draft: dict[str, Any]) -> list[str]:
+    """What of a target's (text) config is not what a draft was made for, its width and vocabulary, read from the
+    draft's config.json or its manifest's `draft` params (the same keys): e.g. "hidden_size 64 (the draft's: 576)";
+    [] where `target` does not say."""
+    return [f"{key} {target[key]} (the draft's: {draft[own]})"
+            for key, own in (("hidden_size", "target_hidden_size"), ("vocab_size", "vocab_size"))
+            if own in draft and key in target and target[key] != draft[own]]
 
 
 def _aux_ids(path: Path, cfg: dict[str, Any]) -> tuple[str, list[int], list[int]]:

@@ -9,7 +9,7 @@ import click
 
 from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.prompts import PROMPTS_HELP
-from eyas_train.config import TrainConfig
+from eyas_train.config import MAX_TTT_STEPS, TrainConfig
 
 D = TrainConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
 
@@ -26,8 +26,9 @@ def main() -> None:
 @click.option("--name", required=True, help="Output draft dataset (drafts/NAME or NAME); rerun to resume it.")
 @click.option("--draft-vocab", type=click.IntRange(min=1), default=D["draft_vocab"].default,
               help="Draft vocabulary size in tokens (capped at the target's).")
-@click.option("--ttt-steps", type=click.IntRange(min=1), default=D["ttt_steps"].default,
-              help="Unrolled draft steps per position (training-time test).")
+@click.option("--ttt-steps", type=click.IntRange(min=1, max=MAX_TTT_STEPS), default=D["ttt_steps"].default,
+              help="Unrolled draft steps per position (training-time test); memory grows with it, since every "
+                   f"step keeps its activations for the backward pass (at most {MAX_TTT_STEPS}).")
 @click.option("--step-decay", type=Finite(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
 @click.option("--epochs", type=Finite(min=0), default=None,
               help="Passes over the training samples (may be fractional); 0 exports the untrained draft. "
@@ -66,7 +67,8 @@ def main() -> None:
 @click.option("--grad-clip", type=Finite(min=0, min_open=True), default=D["grad_clip"].default, help="Max global gradient norm.")
 @click.option("--norm-before-residual/--norm-after-residual", default=D["norm_before_residual"].default,
               help="Residual of the draft layer: hidden_norm(h) (before) or h (after, EAGLE-3/SGLang layout).")
-@click.option("--seed", type=click.IntRange(min=0), default=D["seed"].default, help="Init and data-order seed.")
+@click.option("--seed", type=click.IntRange(min=0, max=2**32 - 1), default=D["seed"].default,
+              help="Init and data-order seed (32 bits: every epoch's order is seeded from it).")
 @click.option("--order", type=click.Choice(["random", "shards"]), default=None,
               help="Data order. random: every epoch a seeded permutation of all samples; shards: the first pass "
                    "walks the shards in order, --window-shards at a time, shuffled within each (later passes "
@@ -130,6 +132,14 @@ def run(**kw) -> None:
     if kw["consume"] and not (kw["follow"] or kw["order"] == "shards"):
         raise click.UsageError("--consume deletes shards after their last use in shard order: add --order shards "
                                "(or --follow)")
+    if kw["init_draft"] and kw["method"] != "eagle3":
+        raise click.UsageError(f"--init-draft starts EAGLE-3 drafts only for now, not --method {kw['method']}: drop "
+                               f"--init-draft (or --method)")
+    dflash_only = [f"--{k.replace('_', '-')}" for k in ("block_size", "draft_layers", "gamma", "mask_token_id")
+                   if kw[k] is not None]
+    if dflash_only and kw["method"] != "dflash":
+        raise click.UsageError(f"{', '.join(dflash_only)}: DFlash option(s), which an EAGLE-3 run would ignore: add "
+                               f"--method dflash, or drop them")
     if kw["order"] is None:
         kw.pop("order")
     click.echo(train_run(**kw))
@@ -139,11 +149,14 @@ def run(**kw) -> None:
 @click.argument("name")
 @click.option("--step", type=click.IntRange(min=0), default=None, help="Checkpoint step to export [default: the newest].")
 @click.option("--out", default=None, help="Write a complete snapshot as drafts/OUT instead of into NAME.")
-def export(name: str, step: int | None, out: str | None) -> None:
+@click.option("--model", type=click.Path(exists=True, file_okay=False), default=None, show_default=False,
+              help="The target's folder where it is now (its config gives the token ids and dtype written).  "
+                   "[default: where it was at training time, from the draft's manifest]")
+def export(name: str, step: int | None, out: str | None, model: str | None) -> None:
     """Write config.json + model.safetensors of drafts/NAME from one of its checkpoints."""
     from eyas_train.train import export_checkpoint
 
-    click.echo(export_checkpoint(name, step=step, out=out))
+    click.echo(export_checkpoint(name, step=step, out=out, model=model))
 
 
 @main.command("eval")
@@ -162,7 +175,9 @@ def export(name: str, step: int | None, out: str | None) -> None:
                    "template takes the switch]")
 @click.option("--dtype", type=click.Choice(["auto", "float32", "bfloat16"]), default="auto",
               help="Target and draft dtype: the serving dtype, to reproduce a server's acceptance; auto: bfloat16 on GPU, float32 on CPU.")
-@click.option("--device-map", default=None, help="transformers device_map for the target.  [default: auto on GPUs, none on CPU]")
+@click.option("--device-map", default=None,
+              help="transformers device_map for the target: auto, balanced, balanced_low_0, sequential or a device "
+                   "(cpu, cuda:0).  [default: auto on GPUs, none on CPU]")
 @click.option("--trust-remote-code", is_flag=True, help="Run the model/tokenizer code shipped with the target (explicit opt-in).")
 @click.option("--out", type=click.Path(dir_okay=False, path_type=Path), default=None, help="Also write the JSON here.")
 def eval_cmd(**kw) -> None:

@@ -11,6 +11,10 @@ from typing import Any
 MAY_CHANGE = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote_code", "batching", "follow",
               "poll_seconds", "consume")
 
+# Every TTT step keeps its activations for the backward pass: far past the 3-8 tokens drafts are served at, a step
+# count only runs out of memory (500 steps of two 141-token samples took 18 GB of host memory and were killed).
+MAX_TTT_STEPS = 32
+
 
 @dataclass(frozen=True)
 class TrainConfig:

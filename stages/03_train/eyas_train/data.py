@@ -18,7 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from eyas_common.hidden import HiddenShards
+from eyas_common.hidden import HiddenShards, SampleRef
 from eyas_train.vocab import count_tokens
 
 
@@ -28,6 +28,20 @@ def token_counts(shards: HiddenShards, vocab_size: int, n_shards: int | None = N
     for ids, mask in shards.token_columns(n_shards):
         total += count_tokens(ids, mask, vocab_size)
     return total
+
+
+def kept_targets(shards: HiddenShards, max_len: int) -> int:
+    """Loss-masked tokens left inside the first `max_len` rows of the samples (past the first two rows: the first
+    token a draft predicts is x_2). Counted only when --max-len cuts some sample; 1 when it cuts none."""
+    if max_len >= max((x.length for x in shards.samples), default=0):
+        return 1
+    by_shard: dict[int, list[SampleRef]] = {}
+    for x in shards.samples:
+        by_shard.setdefault(x.shard, []).append(x)
+    kept = 0
+    for i, (_, mask) in enumerate(shards.token_columns(max(by_shard) + 1)):
+        kept += sum(int(mask[x.start + 2:x.start + min(x.length, max_len)].sum()) for x in by_shard.get(i, []))
+    return kept
 
 
 def global_batches(n: int, batch_size: int, seed: int, epoch: int) -> list[list[int]]:

@@ -137,9 +137,7 @@ def load_dflash_draft(folder: Path, model: str | Path) -> tuple[DFlashDraft, lis
     return draft.eval(), aux_ids
 
 
-def reexport(folder: Path, state: dict[str, torch.Tensor], params: dict[str, Any]) -> None:
-    """`eyas-train export` of a DFlash checkpoint: the draft's shape and layers from the manifest's params."""
-    from eyas_common.checkpoint import read_text_config
-
-    write_dflash_draft(folder, state, DFlashConfig(**params["draft"]), params["aux_layers"],
-                       read_text_config(params["config"]["model"]))
+def reexport(folder: Path, state: dict[str, torch.Tensor], params: dict[str, Any], target: dict[str, Any]) -> None:
+    """`eyas-train export` of a DFlash checkpoint: the draft's shape and layers from the manifest's params, the
+    token ids and dtype from the target's (text) config."""
+    write_dflash_draft(folder, state, DFlashConfig(**params["draft"]), params["aux_layers"], target)

@@ -59,7 +59,8 @@ def pick_mask_token(tokenizer: Any, counts: torch.Tensor, requested: int | None,
     usable = usable_mask_rows(embedding, counts)
     if requested is not None:
         if not 0 <= requested < counts.numel():
-            raise ValueError(f"--mask-token-id {requested} is outside the target vocabulary of {counts.numel()}")
+            raise ValueError(f"--mask-token-id {requested} is outside the target vocabulary of {counts.numel()}: "
+                             f"pass an id below {counts.numel()}, or leave it out to pick one")
         if not usable[requested]:
             raise ValueError(f"--mask-token-id {requested}: its embedding row is (nearly) zero, so every masked "
                              f"slot would propose the same token; pick a token with a trained embedding")
@@ -111,7 +112,7 @@ def new_dflash_draft(dcfg: DFlashConfig, model: str | Path, seed: int) -> DFlash
 def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[str, Any], out: Dataset,
                  ckpt: dict[str, Any] | None) -> Any:
     """train._setup for --method dflash: the RunState the shared loop runs (resumed from `ckpt`)."""
-    from eyas_train.train import RunState, optimiser, resumed
+    from eyas_train.train import RunState, optimiser, refuse_no_targets, resumed
 
     params = hidden_m["params"]
     target = read_text_config(cfg.model)
@@ -121,6 +122,8 @@ def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[
                            f"{REMAKE['hidden']} with --method dflash")
     shards = HiddenShards(hidden_ds, hidden_m)
     lengths = [min(x.length, cfg.max_len) for x in shards.samples]
+    if ckpt is None:  # checked when the run began
+        refuse_no_targets(hidden_ds, shards, cfg.max_len)
     try:
         n_val = val_count(len(shards), cfg.val_samples, d.world)
         train_idx, val_idx = split_by_sample([x.sample_id for x in shards.samples], n_val, cfg.seed)
@@ -128,8 +131,11 @@ def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[
     except ValueError as e:
         raise DatasetError(f"{hidden_ds.ref}: {e}") from None
     counts = token_counts(shards, target["vocab_size"])
-    mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts, cfg.mask_token_id,
-                                         load_embedding(cfg.model))
+    try:
+        mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts,
+                                             cfg.mask_token_id, load_embedding(cfg.model))
+    except ValueError as e:  # names --mask-token-id and the fix
+        raise DatasetError(str(e)) from None
     dcfg = dflash_config(target, hidden_size, len(aux_layers), cfg, mask_id)
     gamma = cfg.gamma or default_gamma(dcfg.block_size)
     module = parallel.wrap(BlockLoss(new_dflash_draft(dcfg, cfg.model, cfg.seed), gamma).to(d.device), d, cfg.parallel)

@@ -128,6 +128,21 @@ def memory_check(model: str | Path, dtype: str, cuda: bool) -> str:
     return line
 
 
+DEVICE_MAP_STRATEGIES = ("auto", "balanced", "balanced_low_0", "sequential")  # what transformers takes by name
+
+
+def check_device_map(device_map: str | None) -> None:
+    """--device-map is one of transformers' strategies or a device name: refused before any work, not after the
+    draft and the target's memory check."""
+    if device_map is None or device_map in DEVICE_MAP_STRATEGIES:
+        return
+    try:
+        torch.device(device_map)
+    except RuntimeError:
+        raise DatasetError(f"--device-map {device_map}: expected {', '.join(DEVICE_MAP_STRATEGIES)} or a device "
+                           f"(cpu, cuda:0, ...)") from None
+
+
 def check_writable(out: Path) -> None:
     """--out is written after the whole evaluation: try writing a file where it goes first (its nearest existing
     folder, when the rest is still to be made), so that a bad path is refused before the work, not after it."""
@@ -141,6 +156,22 @@ def check_writable(out: Path) -> None:
                            f"folder") from None
 
 
+def _render_prompts(tok: Any, prompts: Path, thinking: bool, limit: int | None) -> list[list[int]]:
+    """The first `limit` prompts of PROMPTS rendered by the target's chat template; one the template refuses (a
+    role it does not know) is refused naming its number and roles, before the target is loaded."""
+    from jinja2 import TemplateError
+
+    out = []
+    for i, messages in enumerate(load_prompts(prompts)[:limit]):
+        try:
+            out.append(render_prompt(tok, messages, thinking))
+        except TemplateError as e:
+            roles = ", ".join(dict.fromkeys(m["role"] for m in messages))
+            raise DatasetError(f"--prompts {prompts}: prompt {i + 1} (roles {roles}): the target's chat template "
+                               f"refuses it ({e}); drop or fix that prompt") from None
+    return out
+
+
 def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int | None = None, max_tokens: int = 256,
              thinking: bool | None = None, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
              trust_remote_code: bool = False, out: Path | None = None,
@@ -151,6 +182,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
     from transformers import AutoModelForCausalLM
 
     t0 = time.monotonic()
+    check_device_map(device_map)
     ds, manifest = open_input(draft, "drafts", root=data_root)
     try:
         check_folder(ds, manifest, read_text_config(model))  # before the target is loaded
@@ -161,6 +193,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
     tok = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tok, model))
     thinking, _ = resolve_thinking(tok, thinking)
+    rendered = _render_prompts(tok, prompts, thinking, limit)  # before the target is loaded
     cuda = torch.cuda.is_available()
     dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
@@ -171,18 +204,16 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
                                                   device_map=device_map or ("auto" if cuda else None),
                                                   trust_remote_code=trust_remote_code).eval()
-    conversations = load_prompts(prompts)[:limit]
     eot = ChatTokens.of(tok).end_of_turn
     counts: list[int] = []
     generated = 0
-    for messages in tqdm(conversations, desc="eval", unit="prompt"):
-        tokens, accepted = speculate(target, module, aux_ids, render_prompt(tok, messages, thinking), eot,
-                                     spec_tokens, max_tokens)
+    for prompt in tqdm(rendered, desc="eval", unit="prompt"):
+        tokens, accepted = speculate(target, module, aux_ids, prompt, eot, spec_tokens, max_tokens)
         counts += accepted
         generated += len(tokens)
     drafts, acc = len(counts), sum(counts)
     result = {
-        "draft": ds.ref, "method": method, "model": str(model), "prompts": len(conversations),
+        "draft": ds.ref, "method": method, "model": str(model), "prompts": len(rendered),
         "spec_tokens": spec_tokens,
         "max_tokens": max_tokens, "dtype": dtype, "drafts": drafts, "draft_tokens": drafts * spec_tokens, "accepted": acc,
         "acceptance_length": 1 + acc / drafts if drafts else None,

@@ -71,7 +71,9 @@ def imported_state(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     back = {v: k for k, v in NAME_MAP.items()}
     unknown = sorted(set(tensors) - set(back))
     if unknown:
-        raise KeyError(f"unexpected tensors in the draft file: {unknown}")
+        more = f" and {len(unknown) - 4} more" if len(unknown) > 4 else ""
+        raise KeyError(f"unexpected tensors in the draft file: {unknown[:4]}{more} (not an EAGLE-3 draft's: "
+                       f"{NAME_MAP['fc.weight']}, {NAME_MAP['layer.attn.wq.weight']}, ...)")
     return {back[k]: v for k, v in tensors.items()}
 
 

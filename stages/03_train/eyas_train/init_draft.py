@@ -21,9 +21,9 @@ from typing import Any
 import torch
 from safetensors.torch import load_file
 
-from eyas_common.contract import DatasetError, open_input
+from eyas_common.contract import DatasetError, json_type, open_input
 from eyas_common.drafts import CONFIG_FILE
-from eyas_train.export import imported_state
+from eyas_train.export import NAME_MAP, imported_state
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.vocab import VocabMap, build_vocab
 
@@ -47,8 +47,12 @@ def resolve(path: str, data_root: Path | None) -> Path:
     if folder.is_dir():
         return folder
     if path.startswith(("/", ".", "~")):
-        raise DatasetError(f"--init-draft {path}: no such folder; give a draft folder or drafts/NAME under EYAS_DATA")
-    ds, _ = open_input(path if "/" in path else f"drafts/{path}", "drafts", root=data_root)
+        what = "a file, not a folder" if folder.exists() else "no such folder"
+        raise DatasetError(f"--init-draft {path}: {what}; give a draft folder or drafts/NAME under EYAS_DATA")
+    try:
+        ds, _ = open_input(path if "/" in path else f"drafts/{path}", "drafts", root=data_root)
+    except DatasetError as e:
+        raise DatasetError(f"--init-draft {path}: {e.message}") from None
     return ds.path
 
 
@@ -57,14 +61,25 @@ def read_init_draft(path: str, data_root: Path | None = None) -> InitDraft:
     cfg_path = folder / CONFIG_FILE
     if not cfg_path.is_file():
         raise DatasetError(f"--init-draft {path}: no {CONFIG_FILE} in {folder}; expected an EAGLE-3 draft folder")
-    config = json.loads(cfg_path.read_text())
+    try:
+        config = json.loads(cfg_path.read_text())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise DatasetError(f"--init-draft {path}: {cfg_path} is not valid JSON ({e}); expected an EAGLE-3 draft "
+                           f"folder's config.json") from None
+    if not isinstance(config, dict):
+        raise DatasetError(f"--init-draft {path}: {cfg_path} holds a JSON {json_type(config)}, not an object; "
+                           f"expected an EAGLE-3 draft folder's config.json")
     files = sorted(folder.glob("*.safetensors"))
     if not files:
         raise DatasetError(f"--init-draft {path}: no *.safetensors in {folder} (pytorch_model.bin is not read: "
                            f"convert it to safetensors first)")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
-        tensors.update(load_file(str(f)))
+        try:
+            tensors.update(load_file(str(f)))
+        except Exception as e:  # noqa: BLE001 - safetensors raises its own error types
+            raise DatasetError(f"--init-draft {path}: {f} is not a readable safetensors file ({e}); copy the "
+                               f"draft folder again") from None
     layout = ("eyas" if "eyas_draft_config" in config else
               "speculators" if config.get("speculators_model_type") == "eagle3" else "specforge")
     bad = [k for k in UNSUPPORTED if config.get(k)]
@@ -77,9 +92,34 @@ def read_init_draft(path: str, data_root: Path | None = None) -> InitDraft:
         state = imported_state(renamed)
     except KeyError as e:
         raise DatasetError(f"--init-draft {path}: {e.args[0]} ({layout} layout read from {folder})") from None
-    cfg = _draft_config(config, layout, state)
+    missing = sorted(set(NAME_MAP) - set(state) - {"d2t", "t2d"})
+    if missing:
+        more = f" (and {len(missing) - 4} more)" if len(missing) > 4 else ""
+        raise DatasetError(f"--init-draft {path}: no {', '.join(NAME_MAP[k] for k in missing[:4])}{more} in "
+                           f"{', '.join(f.name for f in files)}; expected a whole EAGLE-3 draft ({layout} layout)")
+    try:
+        cfg = _draft_config(config, layout, state)
+    except KeyError as e:
+        raise DatasetError(f"--init-draft {path}: {cfg_path} has no {e.args[0]!r}, which the {layout} layout needs; "
+                           f"expected an EAGLE-3 draft folder's config.json") from None
+    except TypeError as e:  # eyas_draft_config with a field DraftConfig does not have, or without one it needs
+        raise DatasetError(f"--init-draft {path}: {cfg_path}: eyas_draft_config is not this eyas's draft config "
+                           f"({str(e).split(') ', 1)[-1]}); export the draft again with this eyas "
+                           f"(eyas-train export NAME)") from None
+    _check_shapes(state, cfg, path, cfg_path)
     _vocab_maps(state, cfg, path)
     return InitDraft(str(folder), layout, cfg, _aux_ids(config), state)
+
+
+def _check_shapes(state: dict[str, torch.Tensor], cfg: DraftConfig, path: str, cfg_path: Path) -> None:
+    """The tensors have the shapes the config describes (a draft built from it on the meta device, no memory)."""
+    with torch.device("meta"):
+        own = Eagle3Draft(cfg).state_dict()
+    wrong = [f"{NAME_MAP[k]} {list(t.shape)} (config: {list(own[k].shape)})" for k, t in state.items()
+             if k in own and k not in ("d2t", "t2d") and t.shape != own[k].shape]
+    if wrong:
+        raise DatasetError(f"--init-draft {path}: its tensors do not have the shapes {cfg_path} describes: "
+                           f"{'; '.join(wrong[:3])}" + (f" (and {len(wrong) - 3} more)" if len(wrong) > 3 else ""))
 
 
 def _aux_ids(config: dict[str, Any]) -> list[int] | None:

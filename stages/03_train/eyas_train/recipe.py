@@ -82,6 +82,10 @@ def resolve(cfg: Any, *, lengths: list[int], n_val: int, width: int, world: int,
                          f"(or --val-samples)")
     if cfg.epochs is not None:
         total = int(round(cfg.epochs * per_epoch))
+        if cfg.epochs > 0 and total == 0:
+            raise ValueError(f"--epochs {cfg.epochs:g} is {cfg.epochs * per_epoch:.2g} of the {per_epoch} steps a pass "
+                             f"(batch {batch}): it rounds to no step at all; pass at least --epochs "
+                             f"{1 / per_epoch:.3g} (one step), or 0 to export the untrained draft")
     else:
         total = _steps(n, per_sample, per_epoch, cfg)
     lr = cfg.lr if cfg.lr is not None else peak_lr(batch * per_sample, width)

@@ -7,21 +7,21 @@ loaded for training (the eval loads it, since it runs the target).
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import torch
 from safetensors import safe_open
 
 from eyas_common.checkpoint import read_text_config, weight_files
+from eyas_common.contract import DatasetError
 from eyas_train.vocab import VocabMap
 
 
 TEXT_PREFIX = "language_model."
 
 
-def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
-    """The one tensor whose name ends with `suffix` (e.g. `embed_tokens.weight`), read alone."""
-    model = Path(model)
-    names = weight_files(model)
+def weight_name(model: str | Path, names: dict[str, Path], suffix: str) -> str:
+    """The name of the one tensor of `names` (weight_files) that ends with `suffix`; KeyError saying what is there."""
     found = sorted(k for k in names if k == suffix or k.endswith("." + suffix))
     if len(found) > 1:  # a multimodal wrapper (Kimi-K2.5): the text model's, under `language_model.`
         found = [k for k in found if k.startswith(TEXT_PREFIX)] or found
@@ -29,8 +29,39 @@ def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
         what = "no tensor" if not found else f"{len(found)} tensors ({', '.join(found[:4])})"
         near = sorted(k for k in names if suffix.split(".")[0] in k)[:8]
         raise KeyError(f"{model}: {what} named *{suffix}; similar names: {near or sorted(names)[:8]}")
-    with safe_open(names[found[0]], "pt") as h:
-        return h.get_tensor(found[0])
+    return found[0]
+
+
+def load_weight(model: str | Path, suffix: str) -> torch.Tensor:
+    """The one tensor whose name ends with `suffix` (e.g. `embed_tokens.weight`), read alone."""
+    names = weight_files(Path(model))
+    name = weight_name(model, names, suffix)
+    with safe_open(names[name], "pt") as h:
+        return h.get_tensor(name)
+
+
+def check_model(model: str | Path, hidden_ref: str, params: dict[str, Any]) -> None:
+    """Refuse, in one line, a --model whose files cannot give what training reads from them (config, embedding,
+    final norm, lm_head), or that is not the target `hidden_ref` was extracted from: a model sharing its
+    tokenizer (another size of the same family) passes the tokenizer check but not this one."""
+    fix = f"pass the target {hidden_ref} was extracted from ({params.get('model')})"
+    try:
+        target = read_text_config(model)
+        names = weight_files(Path(model))
+        for suffix in ("embed_tokens.weight", "model.norm.weight") + (
+                () if target.get("tie_word_embeddings", False) else ("lm_head.weight",)):
+            weight_name(model, names, suffix)
+    except KeyError as e:
+        raise DatasetError(f"--model {e.args[0]}; {fix}") from None
+    except (OSError, ValueError) as e:  # no config.json or safetensors; a cut-short file; malformed JSON
+        where = str(e) if str(e).startswith(str(model)) else f"{model}: {e}"  # weight_files' name the file
+        raise DatasetError(f"--model {where}; {fix}") from None
+    differ = [f"{key} {target.get(key)} (the dataset's: {params[made]})" for key, made in (
+        ("hidden_size", "hidden_size"), ("num_hidden_layers", "num_layers"), ("vocab_size", "vocab_size"))
+        if params.get(made) is not None and target.get(key) != params[made]]
+    if differ:
+        raise DatasetError(f"--model {model} is not the target {hidden_ref} was extracted from: its config.json has "
+                           f"{', '.join(differ)}; {fix}, or extract a hidden dataset from this one")
 
 
 def load_embedding(model: str | Path) -> torch.Tensor:

@@ -24,16 +24,17 @@ from tqdm import tqdm
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.checkpoint import read_text_config
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, await_start, check_target, finalize,
-                                  input_ref, iter_jsonl, new_manifest, open_input, open_output, write_jsonl_atomic)
+                                  input_ref, iter_jsonl, new_manifest, open_input, open_output, remake_fix,
+                                  write_jsonl_atomic)
 from eyas_common.drafts import (BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths,
-                                read_checkpoint, readable_checkpoint, write_checkpoint)
+                                read_checkpoint, readable_checkpoint, target_mismatch, write_checkpoint)
 from eyas_common.hidden import HiddenShards, consume, shard_name, size_text
 from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
 from eyas_common.procs import sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import MAY_CHANGE, TrainConfig
-from eyas_train.data import global_batches, per_sample, prefetch, rank_share, token_counts
+from eyas_train.data import global_batches, kept_targets, per_sample, prefetch, rank_share, token_counts
 from eyas_train.export import write_draft
 from eyas_train.hostmem import HeapTrimmer
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
@@ -43,7 +44,7 @@ from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_a
                                val_count)
 from eyas_train.stream import (Consumption, deadlock_line, expected_samples, extract_blocked,
                                first_window, largest_shard, stream_batches, wait_for_shards)
-from eyas_train.target import Teacher, load_embedding, load_lm_head, load_weight
+from eyas_train.target import Teacher, check_model, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
@@ -188,14 +189,31 @@ def _open(cfg: TrainConfig, data_root: Path | None, allow_code_change: bool):
         raise ValueError(f"--order shards (and --follow) train EAGLE-3 drafts only for now, not --method {cfg.method}")
     fingerprint = target_fingerprint(load_tokenizer(cfg.model, cfg.trust_remote_code), cfg.model)
     check_target(hidden_ds, hidden_m, fingerprint)
+    _check_params(hidden_ds, hidden_m)
+    check_model(cfg.model, hidden_ds.ref, hidden_m["params"])
     out = Dataset.parse(cfg.name, "drafts", data_root)
     ckpt = resume_checkpoint(out)
+    was = ckpt and ckpt["config"].get("model")
+    moved = (f" (the target is no longer at {was}: link it there, `ln -s {Path(cfg.model).absolute()} {was}`)"
+             if was and was != cfg.model and not Path(was).exists() else "")
     manifest = open_output(out, stage="03_train", params=cfg.to_dict(), may_change=MAY_CHANGE, target=fingerprint,
                            inputs=_resume_inputs(cfg, out, hidden_ds, hidden_m), allow_code_change=allow_code_change,
                            resume=ckpt is not None, made_with=TrainConfig.as_saved(ckpt["config"]) if ckpt else None,
-                           fix=f"rerun with the same settings to resume from its checkpoint at step "
+                           fix=f"rerun with the same settings{moved} to resume from its checkpoint at step "
                                f"{ckpt and ckpt['step']}, or delete it with `eyas-data rm {out.ref}`")
     return hidden_ds, hidden_m, manifest, out, ckpt
+
+
+def _check_params(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> None:
+    """The hidden manifest's params that training reads (a hand-edited manifest may lack them)."""
+    params = hidden_m.get("params")
+    missing = ["params"] if not isinstance(params, dict) else [f"params.{k}" for k, ok in (
+        ("hidden_size", isinstance(params.get("hidden_size"), int)),
+        ("layers", isinstance(params.get("layers"), list) and all(isinstance(i, int) for i in params["layers"])))
+        if not ok]
+    if missing:
+        raise DatasetError(f"{hidden_ds.ref}: {hidden_ds.manifest_path} has no valid {', '.join(missing)}: it was "
+                           f"edited; {remake_fix(hidden_ds)}")
 
 
 def _resume_inputs(cfg: TrainConfig, out: Dataset, hidden_ds: Dataset, hidden_m: dict[str, Any]
@@ -305,10 +323,17 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
         raise DatasetError(f"{hidden_ds.ref}: aux rows are {width} wide, but the manifest says {len(aux_layers)} "
                            f"layers of {hidden_size}; rerun {REMAKE['hidden']}")
     lengths = [min(x.length, cfg.max_len) for x in shards.samples]
+    if ckpt is None:  # checked when the run began (a resumed one has the same --max-len; its shards may be consumed)
+        refuse_no_targets(hidden_ds, shards, cfg.max_len)
 
-    init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft else None
+    # A resumed run takes the init draft's weights and vocabulary from its checkpoint and its shape from the draft's
+    # manifest: the init draft is read once, so that moving or deleting it later does not block the resume.
+    resumed_shape = (out.read_manifest().get("params") or {}).get("draft") if ckpt and cfg.init_draft else None
+    init = read_init_draft(cfg.init_draft, data_root) if cfg.init_draft and not resumed_shape else None
     vocab, dcfg = _vocab_and_config(cfg, d, ckpt, init, shards, vocab_shards, target, hidden_size, vocab_size,
                                     aux_layers)
+    if resumed_shape:
+        dcfg = DraftConfig(**resumed_shape)
     draft, lm_head = _new_draft(cfg, dcfg, vocab)
     if init is not None:
         load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
@@ -320,6 +345,14 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
     if cfg.consume:
         s.consumption = Consumption(shards, val_idx)
     return resumed(s, ckpt)
+
+
+def refuse_no_targets(hidden_ds: Dataset, shards: HiddenShards, max_len: int) -> None:
+    """Refuse a --max-len that cuts every sample before its completion starts: the draft would learn nothing."""
+    if not kept_targets(shards, max_len):
+        raise DatasetError(f"--max-len {max_len} keeps no completion token of {hidden_ds.ref} (the samples' first "
+                           f"{max_len} tokens are all prompt), so the draft would learn nothing: raise it (its samples "
+                           f"are up to {max(x.length for x in shards.samples)} tokens long)")
 
 
 def _split(cfg: TrainConfig, d: parallel.Dist, shards: HiddenShards, hidden_m: dict[str, Any], hidden_size: int,
@@ -641,7 +674,9 @@ def _prepare_folder(out: Dataset, manifest: dict[str, Any], start: int) -> None:
     if start == 0:
         log.unlink(missing_ok=True)
     elif log.exists():
-        write_jsonl_atomic(log, [r for _, r in iter_jsonl(log, torn_end_ok=True) if r["step"] <= start])
+        fix = (f"delete it (it only records the training: the checkpoints hold the run) and rerun the same command to "
+               f"resume from step {start}")
+        write_jsonl_atomic(log, [r for _, r in iter_jsonl(log, torn_end_ok=True, fix=fix) if r["step"] <= start])
     out.write_manifest(manifest)
 
 
@@ -760,26 +795,28 @@ def _refuse_first_window_deadlock(shards: HiddenShards, cfg: TrainConfig) -> Non
                 f"two windows), or this run with a smaller --window-shards"))
 
 
-def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None,
+def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None, model: str | Path | None = None,
                       data_root: Path | None = None) -> Path:
     """Export checkpoint `step` (default: the newest) of drafts/NAME into NAME, or into a new drafts/OUT.
 
     Into NAME, the dataset becomes complete only when the checkpoint is the run's last step (an earlier
     step is written but the status stays partial); drafts/OUT is a complete snapshot with its own lineage.
-    A failed export into OUT removes the folder it made, so the same command can be run again.
+    A failed export into OUT removes the folder it made, so the same command can be run again. `model`: the
+    target's folder where it is now (default: where it was when the draft was trained).
     """
     src, m = open_input(name, "drafts", allow_partial=True, root=data_root)  # an unknown schema is refused
     found = {int(p.stem.removeprefix("step-")): p for p in checkpoints(src.path)}
     chosen = max(found) if step is None and found else step
     if chosen not in found:
         raise DatasetError(f"{src.ref}: no checkpoint at step {chosen}; have {sorted(found) or 'none'}")
+    target = _export_target(src, m, model)
     dest = src if out is None else Dataset.parse(out, "drafts", data_root)
     with WriterLock(dest, stage="03_train export"):
         if dest != src and (dest.path.exists() or dest.path.is_symlink()):
             raise DatasetError(f"--out {dest.ref}: {dest.path} already exists; export never overwrites a dataset: "
                                f"pick another --out, or delete it first with `eyas-data rm {dest.ref}`")
         try:
-            return _export(src, m, dest, chosen, _export_checkpoint(found, chosen))
+            return _export(src, m, dest, chosen, _export_checkpoint(found, chosen), target)
         except BaseException:
             if dest != src:  # it did not exist before (above), so all of it is this export's own
                 shutil.rmtree(dest.path, ignore_errors=True)
@@ -798,15 +835,35 @@ def _export_checkpoint(found: dict[int, Path], chosen: int) -> dict[str, Any]:
         raise DatasetError(f"{e.message}; {instead}") from None
 
 
-def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, ckpt: dict[str, Any]) -> Path:
+def _export_target(src: Dataset, m: dict[str, Any], model: str | Path | None) -> dict[str, Any]:
+    """The (text) config of the target the draft was trained for, which export writes token ids and dtype from:
+    from `model` (checked against the draft's target), else from where the target was at training time."""
+    trained = m["params"]["config"]["model"]
+    try:
+        target = read_text_config(model or trained)
+    except (OSError, ValueError) as e:  # moved or deleted since; a malformed config.json
+        fix = "pass --model with the target's folder where it is now" if model is None else \
+            f"pass the target {src.ref} was trained for (at {trained} then)"
+        raise DatasetError(f"{src.ref} was trained for the target at {trained}: {e}; {fix}") from None
+    if model is not None:
+        check_target(src, m, target_fingerprint(load_tokenizer(model), model))
+        differ = target_mismatch(target, m["params"]["draft"])
+        if differ:
+            raise DatasetError(f"--model {model} is not the target {src.ref} was trained for: its config.json has "
+                               f"{', '.join(differ)}; pass that target (at {trained} then)")
+    return target
+
+
+def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, ckpt: dict[str, Any],
+            target: dict[str, Any]) -> Path:
     p = m["params"]
     state = {k.removeprefix("draft."): v for k, v in ckpt["model"].items()}
     if p["config"].get("method") == "dflash":
         from eyas_train.dflash_export import reexport
 
-        reexport(dest.path, state, p)
+        reexport(dest.path, state, p, target)
     else:
-        write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], read_text_config(p["config"]["model"]))
+        write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], target)
     stats = {**m.get("stats", {}), "exported_step": chosen}
     if dest == src:
         if chosen == p["total_steps"] or m.get("status") == "complete":  # a complete one's files are hashed again
