@@ -74,7 +74,7 @@ def test_prompt_files(tmp_path):
                       ('{"messages": [{"role": "system", "content": "x"}]}', "no user turn"),
                       ('{"messages": [{"role": "User", "content": "x"}]}', "no user turn to answer \\(its roles: "
                                                                            "User; a turn to answer has role \"user\""),
-                      ('{"messages": [', "malformed JSON \\(Expecting value at column 14\\)")):
+                      ('{"messages": [', "malformed JSON \\(Expecting value at column 15\\)")):
         p.write_text(json.dumps({"messages": [{"role": "user", "content": "ok"}]}) + "\n" + line + "\n")
         with pytest.raises(DatasetError, match=rf"p\.jsonl:2: .*{err}"):
             load_prompts(p)
