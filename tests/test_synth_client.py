@@ -78,6 +78,27 @@ def test_retries_move_to_the_healthy_server():
     assert hit_bad < n / 4, hit_bad
 
 
+def test_an_answer_the_server_aborted_is_asked_again():
+    """vLLM answers a request it dropped (preempted, shutting down) with finish_reason "abort": synth kept it as a
+    sample, or rejected it for good (its id never asked again)."""
+    from eyas_testing.stub import vllm_body
+
+    calls = []
+
+    def answer(payload):
+        calls.append(1)
+        return vllm_body("", [1], [], finish_reason="abort" if len(calls) % 2 else "stop")
+
+    async def main() -> tuple[list, dict[str, int]]:
+        async with ChatPool([stub.url], retry=FAST) as pool:
+            return await _chat_all(pool, 3, 1), pool.stats
+
+    with start_stub(answer=answer) as stub:
+        results, stats = asyncio.run(main())
+    assert [body["choices"][0]["finish_reason"] for body, _ in results] == ["stop"] * 3
+    assert stats["aborted"] == 3 and stats["retries"] == 3 and stats["failed"] == 0
+
+
 def test_client_errors_fail_at_once():
     async def main() -> tuple[RequestFailed, dict[str, int]]:
         async with ChatPool([stub.url], retry=FAST) as pool:

@@ -29,7 +29,7 @@ from typing import Any
 import httpx
 
 STATS = ("requests", "retries", "http_429", "http_5xx", "http_4xx", "timeouts", "connect_errors",
-         "bad_json", "failed")
+         "bad_json", "aborted", "failed")
 
 # One encoder for every body: compact and UTF-8 (not \\u escapes), which is what the server parses
 # fastest and what keeps long non-English prompts small.
@@ -282,11 +282,16 @@ class ChatPool:
         if status == 200:
             try:
                 data = json.loads(r.content)
-                if isinstance(data["choices"][0]["message"], dict):
-                    return data
+                ok = isinstance(data["choices"][0]["message"], dict)
             except (ValueError, LookupError, TypeError):
-                pass
-            raise _Failure("bad_json", f"HTTP 200 without a chat completion: {r.content[:200]!r}")
+                ok = False
+            if not ok:
+                raise _Failure("bad_json", f"HTTP 200 without a chat completion: {r.content[:200]!r}")
+            # vLLM ends a request it dropped (preempted, shutting down) with finish_reason "abort": no answer of
+            # the target's, so it is asked again, not kept or rejected as one
+            if data["choices"][0].get("finish_reason") == "abort":
+                raise _Failure("aborted", "HTTP 200 with finish_reason 'abort': the server dropped the request")
+            return data
         text = f"HTTP {status}: {r.text[:500]}"
         if status == 429:
             raise _Failure("http_429", text, retry_after=_retry_after(r))
