@@ -14,6 +14,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
+import torch
 import transformers
 from click.testing import CliRunner, Result
 from safetensors.torch import load_file, save_file
@@ -501,3 +502,17 @@ def test_a_run_from_an_init_draft_resumes_after_that_draft_is_gone(base, fixture
     r = cli(root, *args)
     assert r.exit_code == 0 and "resuming at step 2" in r.output, r.output
     assert ds.read_manifest()["status"] == "complete" and verify(ds) == []
+
+
+def test_out_of_accelerator_memory_is_one_line_with_what_fits(base, fixture_target, monkeypatch):
+    """A CUDA out-of-memory in a step was a traceback; it says what to change, and that a resume keeps the batch.
+    (On this CPU the step raises it as torch does on a GPU.)"""
+    from eyas_train.ttt import UnrolledLoss
+
+    def oom(*a, **k):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total)")
+
+    root, hidden = base
+    monkeypatch.setattr(UnrolledLoss, "forward", oom)
+    refused(cli(root, *train(hidden, fixture_target, "oom")), "out of cpu memory (CUDA out of memory); drafts/oom "
+            "keeps no checkpoint yet, but a resume keeps the batch: start a new --name with a smaller --batch-size")

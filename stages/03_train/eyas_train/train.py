@@ -163,6 +163,12 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
         say(f"interrupted: {out.ref} keeps {kept[-1].name if kept else 'no checkpoint yet'}; "
             f"rerun the same command to resume")
         raise SystemExit(INTERRUPTED) from None
+    except torch.OutOfMemoryError as e:  # the accelerator's memory: one line (it was a traceback), and what fits
+        kept = checkpoints(out.path)
+        raise DatasetError(f"out of {d.device} memory ({str(e).split('.')[0]}); {out.ref} keeps "
+                           f"{kept[-1].name if kept else 'no checkpoint yet'}, but a resume keeps the batch: start a "
+                           f"new --name with a smaller --batch-size (or --batch-tokens) or --max-len, or spread it "
+                           f"over more GPUs (torchrun --nproc-per-node N, --parallel fsdp)") from None
     except RuntimeError as e:
         if not parallel.peer_lost(e, d):
             raise
