@@ -39,16 +39,21 @@ def test_an_interrupt_while_a_cli_imports_is_one_line(tmp_path, monkeypatch, cap
     sys.modules.pop("slow_cli", None)
 
 
-def test_an_interrupt_no_command_handled_exits_130():
+def raising(error: BaseException) -> click.Group:
+    """An EyasGroup whose one command, `go`, raises `error`."""
     @click.group(cls=EyasGroup)
     def cli() -> None:
         pass
 
     @cli.command()
-    def wait() -> None:
-        raise KeyboardInterrupt
+    def go() -> None:
+        raise error
 
-    r = CliRunner().invoke(cli, ["wait"])
+    return cli
+
+
+def test_an_interrupt_no_command_handled_exits_130():
+    r = CliRunner().invoke(raising(KeyboardInterrupt()), ["go"])
     assert r.exit_code == 130 and r.output == "interrupted\n" and "Aborted" not in r.output
 
 
@@ -56,14 +61,6 @@ def test_a_file_where_a_folder_must_be_is_one_line():
     """EYAS_DATA (or a path under it) naming a file: a stage's first mkdir raised NotADirectoryError, a traceback."""
     import errno
 
-    @click.group(cls=EyasGroup)
-    def cli() -> None:
-        pass
-
-    @cli.command()
-    def make() -> None:
-        raise NotADirectoryError(errno.ENOTDIR, "Not a directory", "/srv/data/drafts")
-
-    r = CliRunner().invoke(cli, ["make"])
+    r = CliRunner().invoke(raising(NotADirectoryError(errno.ENOTDIR, "Not a directory", "/srv/data/drafts")), ["go"])
     assert r.exit_code == 1 and r.output == ("Error: /srv/data/drafts: Not a directory; a file is where a folder must "
                                              "be: point EYAS_DATA (or the path) at a folder\n"), r.output

@@ -288,11 +288,11 @@ def test_a_server_rendering_prompts_otherwise_is_refused_even_with_empty_answers
 
 
 def test_a_server_that_answers_v1_models_with_an_error_is_named_in_one_line():
-    from eyas_synth.run import server_info
+    from eyas_synth.run import servers_info
 
     with start_stub() as stub:
         with pytest.raises(DatasetError) as e:
-            server_info(stub.url + "/not-vllm")  # the stub answers 404 there, with its JSON error
+            servers_info([stub.url + "/not-vllm"], None)  # the stub answers 404 there, with its JSON error
     assert "/not-vllm/v1/models answered HTTP 404 (" in e.value.message and "\n" not in e.value.message
     assert "no route GET /not-vllm/v1/models" in e.value.message and "check its log" in e.value.message
 

@@ -235,12 +235,6 @@ def _models(base: str) -> tuple[list[str], dict[str, int | None]]:
     return list(lengths), {k: int(v) if type(v) is int and v > 0 else None for k, v in lengths.items()}
 
 
-def server_info(server: str) -> tuple[str, int | None]:
-    """The served model name (first /v1/models entry) and its context length (vLLM's max_model_len)."""
-    names, lengths = _models(check_server_url(server))
-    return names[0], lengths[names[0]]
-
-
 def servers_info(servers: list[str], served_model: str | None) -> tuple[str, int | None]:
     """The model name to request and the context every server gives it (the smallest; None: none says).
 
