@@ -82,3 +82,18 @@ def tiny(norm_before_residual: bool = False, seed: int = 0) -> Any:
     d.d2t.copy_(vocab.d2t)
     d.t2d.copy_(vocab.t2d)
     return d
+
+
+# --- refusals (every test of a coded refusal) --------------------------------------------------------------------
+def assert_refused(error: BaseException | str, code: str, names: str | None = None) -> None:
+    """A coded refusal: a DatasetError (or a CLI's output / `Error:` line) with CODE, naming NAMES, in one line of
+    at most 200 characters. The wording is free to change; the code and the thing named are not."""
+    if isinstance(error, BaseException):
+        assert getattr(error, "code", None) == code, f"expected [{code}], got {error!r}"
+        line = error.line  # type: ignore[attr-defined]
+    else:
+        lines = [x for x in error.splitlines() if f"[{code}]" in x]
+        assert len(lines) == 1 and "Traceback" not in error, error
+        line = lines[0].removeprefix("Error: ")
+    assert len(line) <= 200 + len(code) + 3, f"{len(line)} characters: {line}"
+    assert names is None or names in line, f"{names!r} not named in: {line}"

@@ -38,7 +38,7 @@ class EyasGroup(click.Group):
             click.echo("interrupted", err=True)
             raise SystemExit(INTERRUPTED) from None
         except DatasetError as e:
-            raise click.ClickException(e.message) from None
+            raise click.ClickException(e.line) from None
         except OSError as e:
             if e.errno not in _OS_FIX:
                 raise

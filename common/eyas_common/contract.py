@@ -49,14 +49,21 @@ REMAKE = {
 
 
 class DatasetError(Exception):
-    """A dataset that cannot be used as asked; the message names the dataset and the fix.
+    """A refusal: what is wrong (naming the file, line, option or dataset) and the fix, in one line.
 
-    Plain (no click): library callers catch it; the CLIs print `message` as one line (eyas_common.cli_errors).
+    `code` is stable (tests and scripts match it, never the wording): upper-case words such as
+    `SYNTH_NOT_EXACT`; `names` is the thing the message names (a path, an option, a dataset ref).
+    Plain (no click): library callers catch it; the CLIs print `message` as one line (eyas_common.cli_errors),
+    prefixed by the code when there is one.
     """
 
-    def __init__(self, message: str):
+    def __init__(self, message: str, *, code: str | None = None, names: str | None = None):
         super().__init__(message)
-        self.message = message
+        self.message, self.code, self.names = message, code, names
+
+    @property
+    def line(self) -> str:
+        return f"[{self.code}] {self.message}" if self.code else self.message
 
 
 def data_root() -> Path:
