@@ -45,7 +45,7 @@ def rendering_answer(tok):
     """Stub answers shaped like the fixture's (ids rendered with the real tokenizer); every 7th is cut by length."""
     def answer(payload):
         msgs = payload["messages"]
-        prompt = render_prompt(tok, msgs, payload["chat_template_kwargs"]["thinking"])
+        prompt = render_prompt(tok, msgs, (payload.get("chat_template_kwargs") or {}).get("thinking"))
         q = msgs[-1]["content"]
         if payload["seed"] % 7 == 3:
             completion = render_completion(tok, prompt, "I keep thinking about " + q, "", finished=False)

@@ -22,7 +22,7 @@ from eyas_common.prompts import load_prompts
 from eyas_synth.run import run as synth
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.stub import Faults, start_stub
-from helpers import rendering_answer
+from helpers import assert_refused, rendering_answer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -121,12 +121,12 @@ def test_validate_sample_structure(tok):
 
 
 def test_thinking_defaults_from_the_target(tok, fixture_target, tmp_path):
-    from eyas_common.chat import resolve_thinking
+    """No switch is sent unless asked (the target's default is what it does); a tokenizer without thinking
+    tokens refuses --thinking, which would check plain answers as reasoning."""
+    from eyas_common.chat import resolve_thinking, template_switches
 
-    assert resolve_thinking(tok, None)[0] is True  # <think>/</think> and a template that takes the switch
-    assert resolve_thinking(tok, False) == (False, "as asked")
-    # a target whose tokenizer has no thinking wrappers (SmolLM2): off by default, and --thinking refused, since
-    # it would check plain answers as reasoning (it was taken "as asked")
+    assert template_switches(tok) == ("thinking",)  # the Kimi-style fixture's switch
+    assert resolve_thinking(tok, None)[0] is None and resolve_thinking(tok, False)[0] is False
     plain = tmp_path / "plain"
     plain.mkdir()
     for f in fixture_target.iterdir():
@@ -134,14 +134,12 @@ def test_thinking_defaults_from_the_target(tok, fixture_target, tmp_path):
             text = f.read_text().replace("<think>", "<ponder>").replace("</think>", "</ponder>")
             (plain / f.name).write_text(text)
     no_think = load_tokenizer(plain)
-    assert resolve_thinking(no_think, None) == (False, "the tokenizer has no <think>/</think> tokens")
-    assert resolve_thinking(no_think, False) == (False, "as asked")
+    assert resolve_thinking(no_think, None)[0] is None and resolve_thinking(no_think, False)[0] is False
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 1, seed=1)
     r = CliRunner().invoke(synth_cli, ["run", "--prompts", str(prompts), "--name", "t", "--model", str(plain),
                                        "--server", "http://127.0.0.1:1", "--thinking"], env={"EYAS_DATA": str(tmp_path)})
-    assert r.exit_code == 1 and r.output.splitlines()[-1] == (
-        "Error: --thinking: the target's tokenizer has no <think>/</think> tokens, so it never thinks; leave "
-        "--thinking out (thinking is off for such a target)"), r.output
+    assert r.exit_code == 1
+    assert_refused(r.output, "THINKING_UNSUPPORTED", "--thinking")
 
 
 def test_validate_refuses_joined_reasoning(tok, fixture_target, tmp_path, monkeypatch):
@@ -281,10 +279,13 @@ def test_a_server_rendering_prompts_otherwise_is_refused_even_with_empty_answers
 
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 4, seed=5)
     with start_stub(answer=lambda payload: vllm_body("", [1, 2, 3], [])) as stub:
-        with pytest.raises(DatasetError, match=r"synth/other stays partial.*prompt_token_ids differ from the target"):
+        with pytest.raises(DatasetError) as e:
             synth(prompts=prompts, name="other", model=fixture_target, servers=[stub.url], n=4, concurrency=4,
                   served_model="fixture", seed=0, data_root=tmp_path, progress=False)
+    assert_refused(e.value, "SYNTH_NOT_EXACT", stub.url)
     assert Dataset.parse("other", "synth", tmp_path).read_manifest()["status"] == "partial"
+    rejected = [r for _, r in iter_jsonl(tmp_path / "synth" / "other" / "rejected.jsonl")]
+    assert rejected and all("prompt_token_ids differ" in r["problems"][0] for r in rejected)
 
 
 def test_a_server_that_answers_v1_models_with_an_error_is_named_in_one_line():
@@ -431,11 +432,12 @@ def test_answers_that_are_no_sample_are_rejected_without_a_crash(tok, fixture_ta
                               ("oov", ids(len(tok) + 7), "token_ids hold ids that are not token ids of --model's"),
                               ("parts", parts, "message content is a JSON array, not a string")):
         with start_stub(answer=answer) as stub:
-            with pytest.raises(DatasetError, match=rf"synth/{name} stays partial: no usable sample.*{why}"):
+            with pytest.raises(DatasetError) as e:
                 synth(prompts=prompts, name=name, model=fixture_target, servers=[stub.url], n=3, concurrency=3,
                       served_model="fixture", seed=0, data_root=tmp_path, progress=False)
-        rejected = [r["id"] for _, r in iter_jsonl(tmp_path / "synth" / name / "rejected.jsonl")]
-        assert sorted(rejected) == [0, 1, 2]
+        assert_refused(e.value, "SYNTH_NOT_EXACT", stub.url)
+        rejected = {r["id"]: r["problems"] for _, r in iter_jsonl(tmp_path / "synth" / name / "rejected.jsonl")}
+        assert sorted(rejected) == [0, 1, 2] and all(why in p[0] for p in rejected.values())
 
 
 def test_every_server_url_is_checked_before_any_request(tok, fixture_target, tmp_path):

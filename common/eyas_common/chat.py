@@ -95,41 +95,70 @@ class ChatTokens:
         return cls(vocab.get(THINK_OPEN), vocab.get(THINK_CLOSE), eot)
 
 
-def template_kwargs(thinking: bool) -> dict[str, bool]:
-    """Chat-template switches for thinking, sent to servers and used for local rendering alike."""
-    return {"thinking": thinking, "enable_thinking": thinking}
+# The template switches for thinking in the wild: Kimi's `thinking`, Qwen3's `enable_thinking`.
+SWITCHES = ("thinking", "enable_thinking")
+_PROBE = [{"role": "user", "content": "hi"}]
 
 
-def resolve_thinking(tokenizer, requested: bool | None) -> tuple[bool, str]:
-    """The thinking switch to use, and why: `requested` when given, else from the target itself.
+def template_kwargs(thinking: bool | None, switches: tuple[str, ...] = SWITCHES) -> dict[str, bool]:
+    """Chat-template switches for thinking, sent to servers and used for local rendering alike; None sends none
+    (the template's own default). A template ignores a switch it does not take."""
+    return {} if thinking is None else {k: thinking for k in switches}
 
-    On only where the tokenizer has both wrappers and its chat template takes the switch (a probe
-    conversation renders differently with it on and off). A target without `<think>` (SmolLM2) never
-    opens a thinking block, so "on" there would only make its plain answers look like reasoning.
+
+def template_switches(tokenizer) -> tuple[str, ...]:
+    """The thinking switches the chat template takes: those whose on and off render a probe differently."""
+    return tuple(k for k in SWITCHES
+                 if _render(tokenizer, _PROBE, {k: True}) != _render(tokenizer, _PROBE, {k: False}))
+
+
+def prompt_opens_thinking(prompt_ids: list[int], tokens: "ChatTokens") -> bool:
+    """The generation prompt ends inside an open thinking block: its last wrapper token is `<think>` (Kimi-K2.5's
+    `...<think>`, DeepSeek-R1's `...<think>\n`); earlier turns' blocks are closed, and an empty block written for
+    thinking off (`<think></think>`, Qwen3's `<think>\n\n</think>\n\n`) ends in `</think>`."""
+    if tokens.think_open is None or tokens.think_open not in prompt_ids:
+        return False
+    last_open = len(prompt_ids) - 1 - prompt_ids[::-1].index(tokens.think_open)
+    return tokens.think_close not in prompt_ids[last_open:]
+
+
+def resolve_thinking(tokenizer, requested: bool | None) -> tuple[bool | None, str]:
+    """The thinking switch to send (None: none, the template decides), and the evidence for it, in words.
+
+    A switch is sent only where the template takes one, and by default not even there: the target's own
+    default is what it does. Whatever the target then does (the prompt opens the block, the model opens it,
+    or it never thinks) is read from each answer's token ids, not guessed from the template.
     """
     tokens = ChatTokens.of(tokenizer)
-    wrapped = tokens.think_open is not None and tokens.think_close is not None
-    if requested and not wrapped:  # it would check plain answers as reasoning, and reject every truncated one
+    if requested and (tokens.think_open is None or tokens.think_close is None):
         raise DatasetError("--thinking: the target's tokenizer has no <think>/</think> tokens, so it never thinks; "
-                           "leave --thinking out (thinking is off for such a target)")
-    if requested is not None:
-        return requested, "as asked"
-    if not wrapped:
-        return False, "the tokenizer has no <think>/</think> tokens"
-    probe = [{"role": "user", "content": "hi"}]
-    if render_prompt(tokenizer, probe, True) == render_prompt(tokenizer, probe, False):
-        return False, "the chat template ignores the thinking switch"
-    return True, "the tokenizer has <think>/</think> and the chat template takes the switch"
+                           "leave --thinking out", code="THINKING_UNSUPPORTED", names="--thinking")
+    switches = template_switches(tokenizer)
+    value = requested if switches else None
+    opens = prompt_opens_thinking(render_prompt(tokenizer, _PROBE, value), tokens)
+    if not switches:
+        said = "" if requested is None else f"; --{'' if requested else 'no-'}thinking changes nothing"
+        why = f"the chat template takes no thinking switch, so none is sent{said}"
+    elif requested is None:
+        why = f"the chat template takes {'/'.join(switches)}; none sent, so the target's default applies"
+    else:
+        why = f"{'/'.join(switches)}={str(requested).lower()} sent, as asked"
+    where = ("the generation prompt opens a thinking block" if opens else
+             "the generation prompt opens no thinking block" if tokens.think_open is not None else
+             "the tokenizer has no <think>/</think> tokens")
+    return value, f"{why}; {where}"
 
 
-def render_prompt(tokenizer, messages: list[dict[str, Any]], thinking: bool = True) -> list[int]:
-    """The generation prompt as the target's own chat template renders it."""
-    # `thinking` is Kimi's switch, `enable_thinking` Qwen3's; a template ignores the one it lacks.
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True,
-                                        **template_kwargs(thinking))
+def _render(tokenizer, messages: list[dict[str, Any]], kwargs: dict[str, bool]) -> list[int]:
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True, **kwargs)
     if isinstance(out, dict) or hasattr(out, "keys"):  # transformers 5 returns a BatchEncoding
         out = out["input_ids"]
     return list(out)
+
+
+def render_prompt(tokenizer, messages: list[dict[str, Any]], thinking: bool | None = None) -> list[int]:
+    """The generation prompt as the target's own chat template renders it (`thinking` None: no switch sent)."""
+    return _render(tokenizer, messages, template_kwargs(thinking))
 
 
 def render_completion(tokenizer, prompt_ids: list[int], reasoning: str | None, content: str,
@@ -142,8 +171,7 @@ def render_completion(tokenizer, prompt_ids: list[int], reasoning: str | None, c
     """
     tok = ChatTokens.of(tokenizer)
     ids: list[int] = []
-    prompt_open = tok.think_open is not None and (
-        prompt_ids[-1:] == [tok.think_open])
+    prompt_open = prompt_opens_thinking(prompt_ids, tok)
     if reasoning:
         if tok.think_open is None or tok.think_close is None:
             raise ValueError("the sample has reasoning but the tokenizer has no <think>/</think> tokens")
@@ -157,3 +185,12 @@ def render_completion(tokenizer, prompt_ids: list[int], reasoning: str | None, c
     if finished:
         ids.append(tok.end_of_turn)
     return ids
+
+
+def split_text(reasoning: str | None, content: str) -> tuple[str | None, str]:
+    """A text-only answer's (reasoning, content), with wrappers a server left inside the content (no reasoning
+    parser, or one for another family) taken out: `[<think>]reasoning</think>content`."""
+    if reasoning or THINK_CLOSE not in content:
+        return reasoning, content
+    head, _, tail = content.partition(THINK_CLOSE)
+    return head.strip().removeprefix(THINK_OPEN).strip(), tail.strip()

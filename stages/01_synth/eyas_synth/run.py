@@ -21,8 +21,8 @@ from typing import Any
 import httpx
 from tqdm import tqdm
 
-from eyas_common.chat import (ChatTokens, load_tokenizer, render_completion, render_prompt, resolve_thinking,
-                              target_fingerprint, template_kwargs)
+from eyas_common.chat import (THINK_CLOSE, THINK_OPEN, ChatTokens, load_tokenizer, prompt_opens_thinking, render_completion, render_prompt,
+                              resolve_thinking, split_text, target_fingerprint, template_kwargs, template_switches)
 from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, finalize, iter_jsonl, json_type, open_output,
                                   sha256_file)
 from eyas_common.launch import INTERRUPTED
@@ -30,7 +30,7 @@ from eyas_common.lock import WriterLock
 from eyas_common.procs import sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
-                                 new_sample, parse_budget, validate_sample)
+                                 from_server_ids, new_sample, parse_budget, validate_sample)
 from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown, report_silence
 
 # Params a resumed run may change (where things are, how hard to push, what to accept); every other
@@ -40,6 +40,8 @@ MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency",
               "allow_missing", "allow_rejected", "breaker_s", "max_model_len")
 # When this many first answers all failed the same way (and none worked), the run stops at once.
 FIRST_FAILURES = 8
+# What the first answers did is printed once this many came; if all of them were rejected, the run stops.
+FIRST_ANSWERS = 8
 # Seconds without any answer (or a quarter of --timeout, if less) before the run says so and asks the
 # servers whether they are still up; then again at twice the silence, four times, ...
 SILENCE_S = 60.0
@@ -57,7 +59,7 @@ class SynthConfig:
     max_model_len: int | None     # the server's context (prompt + completion), from /v1/models; None: unknown
     temperature: float            # sent explicitly: servers otherwise apply generation_config defaults
     top_p: float
-    thinking: bool                # chat-template thinking switch, resolved from the target unless given
+    thinking: bool | None         # the chat-template thinking switch sent; None: none (the template's default)
     seed: int | None              # per-request seed = seed * 1_000_003 + sample id; None: no seed sent
     drop_truncated: bool          # length-truncated samples go to truncated.jsonl instead of samples.jsonl
     concurrency: int              # requests in flight, all servers together
@@ -83,6 +85,39 @@ class Counts:
 
 
 @dataclass
+class Evidence:
+    """What the first answers showed about the target and the server: the run's account of its thinking."""
+
+    seen: list[tuple[str, str, bool]] = field(default_factory=list)  # (block, server split, kept) per answer
+
+    def add(self, body: dict[str, Any], sample: dict[str, Any], problems: list[str], tokens: ChatTokens,
+            prompt: list[int], first: int) -> bool:
+        """Note one answer, while fewer than `first` are noted; True once the `first`-th is (time to say so)."""
+        if len(self.seen) >= first:
+            return False
+        msg = (body.get("choices") or [{}])[0].get("message") or {}
+        text = msg.get("content") if isinstance(msg.get("content"), str) else ""
+        completion = sample["input_ids"][len(prompt):]
+        block = ("opened by the prompt" if prompt_opens_thinking(prompt, tokens) else
+                 "opened by the model" if tokens.think_open is not None and tokens.think_open in completion[:1] else
+                 "none")
+        split = ("a reasoning field" if msg.get("reasoning") or msg.get("reasoning_content") else
+                 "wrappers left in content" if THINK_CLOSE in text or THINK_OPEN in text else "content only")
+        self.seen.append((block, split, not problems))
+        return len(self.seen) == first
+
+    def line(self) -> str:
+        def tally(i: int) -> str:
+            counts: dict[str, int] = {}
+            for row in self.seen:
+                counts[row[i]] = counts.get(row[i], 0) + 1
+            return ", ".join(f"{k} {v}" for k, v in counts.items())
+        kept = sum(r[2] for r in self.seen)
+        return (f"first {len(self.seen)} answers: thinking block: {tally(0)}; the server's text: {tally(1)}; "
+                f"{kept} token-exact and kept, {len(self.seen) - kept} rejected")
+
+
+@dataclass
 class RunState:
     """One synth run: what it asks, where it writes, what it has seen so far."""
 
@@ -96,6 +131,8 @@ class RunState:
     prompt_ids: dict[int, list[int]] = field(default_factory=dict)   # prompt index -> rendered ids
     counts: Counts = field(default_factory=Counts)
     failed: dict[int, str] = field(default_factory=dict)            # id -> last error, this run
+    switches: tuple[str, ...] = ()                   # the thinking switches the chat template takes
+    evidence: Evidence = field(default_factory=lambda: Evidence())  # what the first answers did
     first_errors: list[tuple[str, str]] = field(default_factory=list)  # (kind, error) while nothing worked
     outage_first: Failure | None = None              # the first failure of this run's first outage
     last_failure: Failure | None = None              # the last request that failed for good
@@ -113,7 +150,11 @@ class RunState:
 
 
 def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tuple[dict, list[str]]:
-    """A sample from one server response, and the problems that make it unusable (if any)."""
+    """A sample from one server response, and the problems that make it unusable (if any).
+
+    Ids from the server are the answer: they are split at the tokenizer's wrapper ids, and the server's text
+    (whatever its reasoning parser did with it) only has to agree with them. A text-only answer is rendered.
+    """
     pi = sid % len(st.conversations)
     prompt_ids = st.prompt_ids[pi]
     choice = body["choices"][0]
@@ -133,26 +174,61 @@ def to_sample(st: RunState, sid: int, body: dict[str, Any], server: str) -> tupl
     problems += [f"the server's message {k} is a JSON {json_type(v)}, not a string" for k, v in
                  (("content", content), ("reasoning", reasoning)) if v is not None and not isinstance(v, str)]
     completion: list = []
+    source = "rendered"
     if isinstance(server_prompt, list) and isinstance(server_completion, list) and server_completion:
         source, completion = "server", list(server_completion)
         vocab = len(st.tokenizer)
         if not all(type(t) is int and 0 <= t < vocab for t in completion):  # decode() raises on these, or lies
             problems.append(f"the server's token_ids hold ids that are not token ids of --model's tokenizer "
                             f"[0, {vocab}): the server runs another model than --model")
+        elif not problems:
+            reasoning, content, problems = from_server_ids(prompt_ids, completion, (reasoning, content),
+                                                           st.tokenizer, st.tokens, finish != "length")
     elif not problems:
-        source = "rendered"
-        try:
-            completion = render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length")
-        except ValueError as e:  # reasoning from a target without <think>/</think> tokens
-            problems.append(f"the server's answer cannot be rendered with --model's tokenizer: {e}")
-    else:
-        source = "rendered"
+        completion, problem = _rendered(st, prompt_ids, reasoning, content, finish)
+        reasoning, content = split_text(reasoning, content)
+        problems += [problem] if problem else []
     sample = new_sample(id=sid, prompt_index=pi, messages=st.conversations[pi], thinking=st.cfg.thinking,
                         reasoning=reasoning, content=content, prompt_ids=prompt_ids, completion_ids=completion,
                         finish_reason=finish, source=source, server=server)
     if not problems:
         problems = validate_sample(sample, st.tokenizer, st.tokens, check_prompt=False)
     return sample, problems
+
+
+NO_IDS = "the server gave no token ids"
+
+
+def _rendered(st: RunState, prompt_ids: list[int], reasoning: str | None, content: str,
+              finish: str) -> tuple[list[int], str | None]:
+    """Completion ids rendered from a text-only answer (wrappers left in its content split out), or why they
+    cannot be exact: the prompt opens a thinking block, and neither a reasoning field nor a `</think>` in the
+    text says where it ends (an empty block, or a server that dropped the wrappers: the text cannot tell, and
+    guessing is the mistake this project exists to catch)."""
+    if not reasoning and THINK_CLOSE not in content and prompt_opens_thinking(prompt_ids, st.tokens):
+        return [], f"{NO_IDS}, and no reasoning nor </think> closes the block the prompt opens"
+    reasoning, content = split_text(reasoning, content)
+    try:
+        return render_completion(st.tokenizer, prompt_ids, reasoning, content, finished=finish != "length"), None
+    except ValueError as e:  # reasoning from a target without <think>/</think> tokens
+        return [], f"the server's answer cannot be rendered with --model's tokenizer: {e}"
+
+
+# The first rejections' cause, as the refusal names it, and its fix.
+NOT_EXACT = (
+    (("prompt_token_ids differ", "not token ids of --model", "disagrees with its token ids"),
+     "another model or template than --model", "serve the folder that --model names"),
+    ((NO_IDS,), "no token ids, and its text hides the thinking split",
+     "use a server that returns token ids (vLLM), or start it with this target's --reasoning-parser"),
+)
+
+
+def not_exact(st: RunState, server: str, problem: str) -> DatasetError:
+    """The refusal of a target or server whose first answers cannot make exact samples, with the fix."""
+    cause, fix = next(((c, f) for keys, c, f in NOT_EXACT if any(k in problem for k in keys)),
+                      (problem[:60], "see rejected.jsonl and docs/interop.md (thinking styles)"))
+    return DatasetError(f"{server} gave {st.counts.rejected} inexact answers first ({cause}); "
+                        f"{fix}", code="SYNTH_NOT_EXACT", names=server)
 
 
 def scan(ds: Dataset, manifest: dict[str, Any]) -> tuple[set[int], Counts]:
@@ -294,8 +370,9 @@ def _payload(st: RunState, sid: int) -> dict[str, Any]:
     return {
         "model": cfg.served_model, "messages": st.conversations[pi], "max_tokens": st.max_tokens(pi),
         "temperature": cfg.temperature, "top_p": cfg.top_p,
-        "return_token_ids": True, "chat_template_kwargs": template_kwargs(cfg.thinking),
-    } | ({} if cfg.seed is None else {"seed": cfg.seed * 1_000_003 + sid})
+        "return_token_ids": True,
+    } | ({} if cfg.seed is None else {"seed": cfg.seed * 1_000_003 + sid}) | (
+        {"chat_template_kwargs": template_kwargs(cfg.thinking, st.switches)} if cfg.thinking is not None else {})
 
 
 def _failed(st: RunState, sid: int, e: RequestFailed) -> None:
@@ -335,13 +412,15 @@ async def _produce(st: RunState, bar: tqdm) -> None:
                         _failed(st, sid, e)
                         continue
                     sample, problems = to_sample(st, sid, body, server)
+                    if st.evidence.add(body, sample, problems, st.tokens, st.prompt_ids[sample["prompt_index"]],
+                                       min(FIRST_ANSWERS, len(st.todo))):
+                        tqdm.write(f"[synth] {st.evidence.line()}", file=sys.stderr)
                     if problems:
                         c.rejected += 1
                         rejected.write({"id": sid, "problems": problems, "sample": sample})
-                        # Fail fast on a misconfigured server rather than reject a whole run.
-                        if c.rejected >= 16 and c.samples == 0:
-                            raise DatasetError(f"the first {c.rejected} answers were all rejected; first "
-                                               f"problem: {problems[0]} (details in {path / REJECTED})")
+                        # Fail fast on a target or server that cannot give exact samples, not after a whole run.
+                        if c.rejected >= min(FIRST_ANSWERS, len(st.todo)) and c.samples == 0 and not st.done:
+                            raise not_exact(st, server, problems[0])
                         continue
                     if sample["finish_reason"] == "length" and cfg.drop_truncated:
                         c.truncated_dropped += 1
@@ -411,7 +490,7 @@ def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | N
     conversations = load_prompts(prompts)
     tokenizer = load_tokenizer(model, trust_remote_code)
     thinking, why = resolve_thinking(tokenizer, thinking)
-    print(f"[synth] thinking {'on' if thinking else 'off'} ({why})", file=sys.stderr)
+    print(f"[synth] thinking: {why}; each answer is split at its token ids", file=sys.stderr)
     ds = Dataset.parse(name, "synth", data_root)
     served, context = servers_info(list(servers), served_model)
     cfg = SynthConfig(
@@ -444,7 +523,7 @@ def _prepare(ds: Dataset, cfg: SynthConfig, tokenizer, conversations: list[list[
         raise DatasetError(f"{ds.ref} already holds samples with ids up to {extra[-1]}, more than --n {cfg.n}; "
                            f"pass --n {extra[-1] + 1} or more")
     todo = [i for i in range(cfg.n) if i not in done]
-    st = RunState(cfg, ds, manifest, tokenizer, conversations, done, todo)
+    st = RunState(cfg, ds, manifest, tokenizer, conversations, done, todo, switches=template_switches(tokenizer))
     st.prompt_ids = _render_prompts(conversations, todo, tokenizer, cfg)
     if cfg.max_model_len is not None and cfg.max_tokens > cfg.max_model_len - min(map(len, st.prompt_ids.values()), default=0):
         print(f"[synth] --max-tokens {cfg.max_tokens} does not fit the server's max_model_len {cfg.max_model_len} "
