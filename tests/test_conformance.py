@@ -169,3 +169,35 @@ def test_vllm_cell(style, parser, prompts, tmp_path):
                   temperature=0.0, thinking=thinking, concurrency=8, data_root=tmp_path, progress=False)
             seen = check_exact(Dataset.parse(name, "synth", tmp_path), model, thinking)
             print(json.dumps({"cell": [style, parser, thinking], **seen}))
+
+
+# --- what synth kept, taken by the stages after it ----------------------------------------------------------
+@pytest.mark.slow
+@pytest.mark.parametrize("style", list(STYLES))
+def test_extract_and_train_take_every_style(style, prompts, tmp_path):
+    """Extraction stores each kept sample's ids and loss mask as synth wrote them (the answer tokens as the
+    template renders them, the last turn only), and a draft trains on them."""
+    import torch
+    from safetensors.torch import load_file
+
+    from eyas_common.hidden import open_hidden
+    from eyas_extract.run import run as extract
+    from eyas_train.train import run as train
+
+    model = build_style(style)
+    with start_stub(answer=stub_answer(model, "none", {})) as stub:
+        synth(prompts=prompts, name=style, model=model, servers=[stub.url], max_tokens=MAX_TOKENS,
+              served_model="fixture", data_root=tmp_path, progress=False)
+    kept = {s["id"]: s for _, s in iter_jsonl(tmp_path / "synth" / style / SAMPLES)}
+    extract(synth=f"synth/{style}", model=model, name=style, data_root=tmp_path, progress=False)
+    shards = open_hidden(f"hidden/{style}", tmp_path)
+    assert sorted(shards.sample_ids) == sorted(kept)
+    for ref in shards.samples:
+        row = shards.read(ref, max_len=10_000)
+        assert row["input_ids"].tolist() == kept[ref.sample_id]["input_ids"]
+        assert row["loss_mask"].tolist() == kept[ref.sample_id]["loss_mask"]
+    draft = train(hidden=f"hidden/{style}", model=model, name=style, data_root=tmp_path, draft_vocab=256,
+                  batch_size=4, epochs=1, ttt_steps=2, lr=3e-3, val_samples=0, log_every=10, ckpt_every=1000)
+    assert Dataset.parse(style, "drafts", tmp_path).read_manifest()["status"] == "complete"
+    weights = load_file(Path(draft) / "model.safetensors")
+    assert weights["lm_head.weight"].shape[0] == 256 and all(torch.isfinite(w.float()).all() for w in weights.values())

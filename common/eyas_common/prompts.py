@@ -28,7 +28,9 @@ def _from_record(rec: Any, where: str) -> list[dict[str, str]]:
         if not all(isinstance(m, dict) and isinstance(m.get("role"), str) and isinstance(m.get("content"), str)
                    for m in msgs):
             raise DatasetError(f"{where}: every entry of `messages` needs string `role` and `content`")
-        msgs = [{"role": m["role"], "content": m["content"]} for m in msgs]
+        # an earlier answer's reasoning goes to the template, which decides (most drop it before the last user turn)
+        msgs = [{"role": m["role"], "content": m["content"]}
+                | {k: m[k] for k in ("reasoning_content", "reasoning") if isinstance(m.get(k), str)} for m in msgs]
     elif isinstance(rec, dict) and isinstance(rec.get("conversations"), list):
         msgs = []
         for turn in rec["conversations"]:
