@@ -390,47 +390,85 @@ def _failed(st: RunState, sid: int, e: RequestFailed) -> None:
                            f"stopped: {st.first_errors[0][1]}")
 
 
+@dataclass
+class _Files:
+    samples: JsonlAppender
+    truncated: JsonlAppender
+    rejected: JsonlAppender
+    failures: JsonlAppender
+
+
+class _Probe:
+    """The first answers go alone: the others wait until they are in, so a target or server that cannot give
+    exact samples is refused after a handful of requests, not after a full window of --concurrency."""
+
+    def __init__(self, first: int):
+        self.first, self.sent, self.finished, self.open = first, 0, 0, asyncio.Event()
+
+    async def admit(self) -> None:
+        while self.sent >= self.first and not self.open.is_set():
+            await self.open.wait()
+        self.sent += 1
+
+    def finish(self) -> None:
+        self.finished += 1
+        if self.finished >= self.first:
+            self.open.set()
+
+
+async def _answer(st: RunState, sid: int, pool: ChatPool, files: _Files, bar: tqdm) -> None:
+    """Ask for one id and append its answer where it belongs."""
+    cfg, c = st.cfg, st.counts
+    try:
+        body, server = await pool.chat(_payload(st, sid))
+    except RequestFailed as e:
+        files.failures.write({"id": sid, "attempts": e.attempts, "error": e.last_error})
+        _failed(st, sid, e)
+        return
+    sample, problems = to_sample(st, sid, body, server)
+    first = min(FIRST_ANSWERS, len(st.todo))
+    if st.evidence.add(body, sample, problems, st.tokens, st.prompt_ids[sample["prompt_index"]], first):
+        tqdm.write(f"[synth] {st.evidence.line()}", file=sys.stderr)
+    if problems:
+        c.rejected += 1
+        files.rejected.write({"id": sid, "problems": problems, "sample": sample})
+        if c.rejected >= first and c.samples == 0 and not st.done:  # not exact from the start: the setup's fault
+            raise not_exact(st, server, problems[0])
+        return
+    if sample["finish_reason"] == "length" and cfg.drop_truncated:
+        c.truncated_dropped += 1
+        files.truncated.write(sample)
+    else:
+        c.samples += 1
+        files.samples.write(sample)
+    c.completion_tokens += sample["loss_mask"].count(1)
+    bar.update(1)
+    bar.set_postfix_str(_postfix(c, pool, bar), refresh=False)
+
+
 async def _produce(st: RunState, bar: tqdm) -> None:
-    """Ask for every id of `st.todo`; append each answer where it belongs as it comes."""
+    """Ask for every id of `st.todo`, the first few alone (_Probe); append each answer where it belongs."""
     queue: asyncio.Queue[int] = asyncio.Queue()
     for sid in st.todo:
         queue.put_nowait(sid)
-    cfg, c, path = st.cfg, st.counts, st.ds.path
+    cfg, path = st.cfg, st.ds.path
+    probe = _Probe(min(FIRST_ANSWERS, len(st.todo)))
     with JsonlAppender(path / SAMPLES) as samples, JsonlAppender(path / TRUNCATED) as truncated, \
             JsonlAppender(path / REJECTED, sync_every=1) as rejected, \
             JsonlAppender(path / FAILURES, sync_every=1) as failures:
+        files = _Files(samples, truncated, rejected, failures)
         async with ChatPool(cfg.servers, concurrency=cfg.concurrency, timeout_s=cfg.timeout_s,
                             retry=RetryPolicy(max_attempts=cfg.max_attempts), breaker_s=cfg.breaker_s) as pool:
 
             async def worker() -> None:
                 while not queue.empty():
-                    sid = queue.get_nowait()
+                    await probe.admit()
+                    if queue.empty():
+                        return
                     try:
-                        body, server = await pool.chat(_payload(st, sid))
-                    except RequestFailed as e:
-                        failures.write({"id": sid, "attempts": e.attempts, "error": e.last_error})
-                        _failed(st, sid, e)
-                        continue
-                    sample, problems = to_sample(st, sid, body, server)
-                    if st.evidence.add(body, sample, problems, st.tokens, st.prompt_ids[sample["prompt_index"]],
-                                       min(FIRST_ANSWERS, len(st.todo))):
-                        tqdm.write(f"[synth] {st.evidence.line()}", file=sys.stderr)
-                    if problems:
-                        c.rejected += 1
-                        rejected.write({"id": sid, "problems": problems, "sample": sample})
-                        # Fail fast on a target or server that cannot give exact samples, not after a whole run.
-                        if c.rejected >= min(FIRST_ANSWERS, len(st.todo)) and c.samples == 0 and not st.done:
-                            raise not_exact(st, server, problems[0])
-                        continue
-                    if sample["finish_reason"] == "length" and cfg.drop_truncated:
-                        c.truncated_dropped += 1
-                        truncated.write(sample)
-                    else:
-                        c.samples += 1
-                        samples.write(sample)
-                    c.completion_tokens += sample["loss_mask"].count(1)
-                    bar.update(1)
-                    bar.set_postfix_str(_postfix(c, pool, bar), refresh=False)
+                        await _answer(st, queue.get_nowait(), pool, files, bar)
+                    finally:
+                        probe.finish()
 
             workers = [asyncio.create_task(worker()) for _ in range(min(cfg.concurrency, len(st.todo)))]
             watch = asyncio.create_task(report_silence(pool, _say_silence, min(SILENCE_S, cfg.timeout_s / 4)))
