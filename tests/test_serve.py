@@ -19,6 +19,7 @@ import pytest
 from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_results, write_results
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, remove, write_json_atomic
+from helpers import assert_refused
 from eyas_testing.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command
@@ -578,3 +579,28 @@ def test_launch_does_not_overwrite_a_log_that_is_not_an_engine_log(tmp_path, fix
     r = serve_cli(tmp_path, "launch", "--model", str(fixture_target), "--python", "/bin/false",
                   "--port", str(_free_port()), "--log", str(log))
     assert r.returncode == 1 and "cannot import vllm" in _error_line(r) and "old" in log.read_text()
+
+
+def test_compare_recommends_the_fastest_only_when_it_beats_the_target_alone():
+    """The recommendation is the best geometric-mean speedup over the levels, and the target alone unless a
+    candidate beats 1; its make line is that row's."""
+    from eyas_common.bench import validate_compare
+    from eyas_serve.compare import recommend
+    from eyas_serve.report import compare_table
+
+    def row(label, *speedups):
+        return {"label": label, "method": "x", "bench": None, "serve": f"make serve {label}", "tokens_per_step": 1.5,
+                "acceptance_length": 1.5, "per_position": [0.5], "speedup": dict(zip(("1", "4"), speedups))}
+
+    alone = row("target alone", 1.0, 1.0)
+    fast_at_one = row("lookup", 1.6, 0.7)   # geometric mean 1.06
+    steady = row("drafts/d", 1.2, 1.1)       # 1.15: the winner, though not the fastest at 1 in flight
+    assert recommend([alone, fast_at_one, steady])["serve"] == "make serve drafts/d"
+    assert recommend([alone, row("slow", 0.9, 0.8)])["label"] == "target alone"
+    compare = {"prompts": "p", "prompts_sha256": "0", "concurrency": [1, 4], "rows": [alone, fast_at_one, steady],
+               "recommendation": recommend([alone, fast_at_one, steady])}
+    validate_compare(compare)
+    assert compare_table(compare).splitlines()[-1].strip() == "make serve drafts/d"
+    with pytest.raises(DatasetError) as e:
+        validate_compare({**compare, "rows": [{**steady, "speedup": {"1": "fast"}}]})
+    assert_refused(e.value, "BENCH_MALFORMED", "rows[0]")

@@ -218,3 +218,31 @@ def test_ctrl_c_during_a_bench_leaves_no_server_and_no_results(served, trained_d
     assert json.loads(manifest.read_text())["status"] == "partial"
     assert not (manifest.parent / "results.json").exists()
     assert not marked_pids(served.marker)
+
+
+def test_compare_serves_each_candidate_against_the_target_alone(trained_draft, fixture_target, tmp_path):
+    """`eyas-serve compare`: the target alone, prompt lookup and the trained draft, each an ordinary launch and
+    bench (its own bench dataset, lineage to the draft), one table, a plot and the make line of the winner."""
+    from eyas_common.bench import read_compare
+    from eyas_serve.compare import recommend
+
+    root = trained_draft.root
+    prompts = write_prompts_jsonl(tmp_path / "heldout.jsonl", 8, seed=21)
+    port = free_port()
+    r = subprocess.run([EYAS_SERVE, "compare", "--model", str(fixture_target), "--prompts", str(prompts),
+                        "--name", "cmp", "--draft", trained_draft.ref, "--concurrency", "1,4", "--max-tokens", "64",
+                        "--port", str(port), "--", "--max-model-len", "1024", "--dtype", "float32", "--enforce-eager"],
+                       capture_output=True, text=True, env={**os.environ, "EYAS_DATA": str(root)}, timeout=1800)
+    assert r.returncode == 0, r.stderr[-3000:]
+    ds, manifest, compare = read_compare("bench/cmp", root)
+    rows = {row["label"]: row for row in compare["rows"]}
+    assert list(rows)[:2] == ["target alone", "prompt lookup"] and trained_draft.ref in rows
+    assert [i["ref"] for i in manifest["inputs"]] == [rows[k]["bench"] for k in list(rows)[1:]]
+    for label in list(rows)[1:]:  # each row is its own bench, measured against the target alone
+        _, bench_manifest, results = read_results(rows[label]["bench"], root)
+        assert results["baseline"] == f"http://127.0.0.1:{port}"
+        assert [lv["speedup"] for lv in results["levels"]] == list(rows[label]["speedup"].values())
+        assert results["spec"]["tokens_per_step"] == rows[label]["tokens_per_step"] > 1.0
+    assert bench_manifest["inputs"][0]["ref"] == trained_draft.ref  # the draft's row names the draft
+    assert compare["recommendation"] == recommend(compare["rows"])
+    assert compare["recommendation"]["serve"] in r.stdout and (ds.path / "compare.png").read_bytes()[:4] == b"\x89PNG"

@@ -165,20 +165,90 @@ def write_results(out: Dataset, manifest: dict[str, Any], results: dict[str, Any
     return finalize(out, manifest, stats=stats)
 
 
-def read_results(ref: str, root: Path | None = None) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
-    """(dataset, manifest, results) of a complete bench dataset; refuses partial, changed or malformed ones."""
+def _read_record(ref: str, root: Path | None, name: str, validate: Any
+                 ) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
+    """(dataset, manifest, record NAME) of a complete bench dataset; refuses partial, changed or malformed ones."""
     ds, manifest = open_input(ref, "bench", root=root)
     check_lineage(ds, manifest)
-    path = ds.path / RESULTS
-    check_intact(ds, manifest)  # a results.json missing, truncated or edited since finalize is not the record
+    path = ds.path / name
+    check_intact(ds, manifest)  # a record missing, truncated or edited since finalize is not the record
     try:
-        results = json.loads(path.read_text())
-    except FileNotFoundError:  # a manifest that does not list it
-        raise DatasetError(f"{ds.ref}: no {RESULTS}; {remake_fix(ds)}") from None
+        record = json.loads(path.read_text())
+    except FileNotFoundError:  # a manifest that does not list it: another kind of bench record
+        raise DatasetError(f"{ds.ref}: no {name}; {remake_fix(ds)}", code="BENCH_MALFORMED", names=ds.ref) from None
     except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise DatasetError(f"{path}: not valid JSON ({e}); {remake_fix(ds)}") from None
     try:
-        validate_results(results, str(path))
+        validate(record, str(path))
     except DatasetError as e:
-        raise DatasetError(f"{e.message}; {remake_fix(ds)}") from None
-    return ds, manifest, results
+        raise DatasetError(f"{e.message}; {remake_fix(ds)}", code=e.code, names=e.names) from None
+    return ds, manifest, record
+
+
+def read_results(ref: str, root: Path | None = None) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
+    """(dataset, manifest, results) of a complete bench dataset; refuses partial, changed or malformed ones."""
+    return _read_record(ref, root, RESULTS, validate_results)
+
+
+# --- a comparison: bench/NAME holding compare.json instead of results.json -------------------------------------
+# compare.json:
+#     prompts, prompts_sha256, concurrency: [levels]
+#     rows: one per way of serving, the target alone first, each
+#         label ("target alone", "prompt lookup", "suffix decoding", "drafts/NAME"), method, bench (its own
+#         bench/NAME-... dataset, null for the target alone), serve (the make line that deploys it),
+#         tokens_per_step, acceptance_length, per_position (nulls where nothing speculates),
+#         speedup: {str(level): number or null}
+#     recommendation: {label, serve, why}
+# inputs (lineage): every row's bench dataset, each of which names its draft and that draft's data.
+COMPARE, COMPARE_PLOT = "compare.json", "compare.png"
+_ROW_TYPES = {"label": (_STR, False), "method": (_STR, False), "bench": (_STR, True), "serve": (_STR, False),
+              "tokens_per_step": (_NUM, True), "acceptance_length": (_NUM, True)}
+
+
+def validate_compare(compare: Any, where: str = COMPARE) -> None:
+    """Refuse a comparison record that lacks what the report and the plot read, naming the field."""
+    if not isinstance(compare, dict) or not isinstance(compare.get("rows"), list) or not compare["rows"]:
+        raise DatasetError(f"{where}: needs a non-empty `rows` list", code="BENCH_MALFORMED", names=where)
+    levels = compare.get("concurrency")
+    if not isinstance(levels, list) or not all(_is(c, _INT, False) for c in levels):
+        raise DatasetError(f"{where}: needs `concurrency`, a list of integers", code="BENCH_MALFORMED", names=where)
+    for i, row in enumerate(compare["rows"]):
+        at = f"{where}: rows[{i}]"
+        if not isinstance(row, dict) or not isinstance(row.get("speedup"), dict):
+            raise DatasetError(f"{at}: needs a `speedup` object", code="BENCH_MALFORMED", names=at)
+        try:
+            _check_types(row, _ROW_TYPES, f"{at}.")
+            _check_types(row["speedup"], {str(c): (_NUM, True) for c in levels}, f"{at}.speedup.")
+        except DatasetError as e:
+            raise DatasetError(e.message, code="BENCH_MALFORMED", names=at) from None
+    rec = compare.get("recommendation")
+    if not isinstance(rec, dict) or not all(isinstance(rec.get(k), str) for k in ("label", "serve", "why")):
+        raise DatasetError(f"{where}: needs `recommendation` with label, serve and why", code="BENCH_MALFORMED",
+                           names=where)
+
+
+def start_compare(name: str, *, benches: list[str], params: dict[str, Any], root: Path | None = None
+                  ) -> tuple[Dataset, dict[str, Any]]:
+    """Open bench/NAME for a comparison (partial), its inputs the row benches (each complete)."""
+    out = Dataset.parse(name, "bench", root)
+    inputs = [input_ref(open_input(ref, "bench", root=root)[0]) for ref in benches]
+    manifest = open_output(out, stage=STAGE, params=params, may_change=(), target=None, inputs=inputs, resume=False)
+    out.path.mkdir(parents=True, exist_ok=True)
+    out.write_manifest(manifest)
+    return out, manifest
+
+
+def write_compare(out: Dataset, manifest: dict[str, Any], compare: dict[str, Any], *, stats: dict[str, Any]
+                  ) -> dict[str, Any]:
+    validate_compare(compare)
+    write_json_atomic(out.path / COMPARE, compare)
+    return finalize(out, manifest, stats=stats)
+
+
+def read_compare(ref: str, root: Path | None = None) -> tuple[Dataset, dict[str, Any], dict[str, Any]]:
+    """(dataset, manifest, comparison) of a complete comparison; refuses partial, changed or malformed ones."""
+    return _read_record(ref, root, COMPARE, validate_compare)
+
+
+def is_compare(ds: Dataset) -> bool:
+    return (ds.path / COMPARE).exists()

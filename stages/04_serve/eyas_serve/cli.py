@@ -132,14 +132,60 @@ def bench(**kw) -> None:
     click.echo(table(results, manifest))
 
 
+@main.command(context_settings={"show_default": True})
+@click.option("--model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Target folder (local): served alone, then with each candidate.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out prompts: " + PROMPTS_HELP)
+@click.option("--name", required=True, help="Output dataset bench/NAME (each row: bench/NAME-LABEL).")
+@click.option("--draft", "drafts", multiple=True, help="drafts/NAME to compare (repeat for several).")
+@click.option("--prompt-lookup/--no-prompt-lookup", default=True, help="Compare vLLM's n-gram prompt lookup.")
+@click.option("--suffix/--no-suffix", default=True,
+              help="Compare vLLM's suffix decoding, where the engine's interpreter has arctic_inference.")
+@click.option("--concurrency", default="1,4,16", callback=_levels, help="Requests in flight, comma-separated.")
+@click.option("--num-prompts", type=click.IntRange(0, 100_000), default=0,
+              help="Requests per level (prompts reused in order); 0 = every prompt once.")
+@click.option("--max-tokens", type=click.IntRange(min=1), default=256, help="Completion budget per request, tokens.")
+@click.option("--port", type=click.IntRange(1, 65534), default=8100,
+              help="The target alone listens here; each candidate on PORT + 1 in turn.")
+@click.option("--python", default="", show_default=False, help="Interpreter that has vLLM.  [default: as launch]")
+@click.option("--health-timeout", "health_timeout_s", type=Finite(min=1), default=L["health_timeout_s"].default,
+              help="Seconds to wait for each server's /health.")
+@click.argument("engine_args", nargs=-1, type=click.UNPROCESSED)
+def compare(engine_args: tuple[str, ...], python: str, health_timeout_s: float, **kw) -> None:
+    """Which speculation to deploy: the target alone, prompt lookup, suffix decoding and each draft, measured
+    side by side on your held-out prompts; write bench/NAME with the table, a plot and the make line.
+
+    \b
+    eyas-serve compare --model /models/T --prompts heldout.jsonl --name cmp --draft drafts/D -- --max-model-len 4096
+    """
+    from eyas_serve.compare import CompareConfig, run as run_compare
+    from eyas_serve.report import compare_table
+
+    launch = LaunchConfig(engine="vllm", model=kw["model"], python=python, health_timeout_s=health_timeout_s,
+                          engine_args=tuple(engine_args))
+    cfg = CompareConfig(**{**kw, "drafts": tuple(kw["drafts"]), "prompts": str(kw["prompts"])}, launch=launch)
+    try:
+        click.echo(compare_table(run_compare(cfg)))
+    except KeyboardInterrupt:
+        sys.exit(130)
+    except ConnectionError as e:
+        raise click.ClickException(str(e)) from None
+
+
 @main.command()
 @click.argument("ref")
-@click.option("--json", "as_json", is_flag=True, help="Print results.json instead of the table.")
+@click.option("--json", "as_json", is_flag=True, help="Print results.json (or compare.json) instead of the table.")
 def report(ref: str, as_json: bool) -> None:
-    """Print the table of bench dataset REF (bench/NAME or NAME)."""
-    from eyas_common.bench import read_results
-    from eyas_serve.report import table
+    """Print the table of bench dataset REF (bench/NAME or NAME): a bench, or a comparison."""
+    from eyas_common.bench import is_compare, read_compare, read_results
+    from eyas_common.contract import Dataset
+    from eyas_serve.report import compare_table, table
 
+    if ref and is_compare(Dataset.parse(ref.removeprefix("bench/"), "bench")):
+        _, _, compare = read_compare(ref)
+        click.echo(json.dumps(compare, indent=2) if as_json else compare_table(compare))
+        return
     _, manifest, results = read_results(ref)  # a plain NAME is bench/NAME; "" is refused as no name
     click.echo(json.dumps(results, indent=2) if as_json else table(results, manifest))
 

@@ -35,3 +35,27 @@ def plot_results(results: dict[str, Any], png: Path) -> Path:
     ax_tps.legend()
     fig.tight_layout()
     return write_png_atomic(png, fig)
+
+
+def plot_compare(compare: dict[str, Any], png: Path) -> Path:
+    """compare.png: tokens per target step of each way of serving; speedup against concurrency."""
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(11, 4))
+    ax_step, ax_speed = fig.subplots(1, 2)
+    rows = compare["rows"]
+    labels = [r["label"] for r in rows]
+    ax_step.barh(labels, [r["tokens_per_step"] or 0 for r in rows], color="tab:blue")
+    ax_step.set(xlabel="tokens per target step", title="what each verification step yields")
+    conc = compare["concurrency"]
+    for r in rows:
+        ax_speed.plot(conc, [r["speedup"].get(str(c)) or float("nan") for c in conc], "o-", label=r["label"])
+    ax_speed.axhline(1.0, color="grey", lw=0.8)
+    ax_speed.set(xlabel="requests in flight", ylabel="speedup over the target alone", xscale="log",
+                 title=f"recommended: {compare['recommendation']['label']}")
+    ax_speed.set_xticks(conc, [str(c) for c in conc])
+    ax_speed.legend(fontsize=8)
+    for ax in (ax_step, ax_speed):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    return write_png_atomic(png, fig)

@@ -49,3 +49,18 @@ def table(results: dict[str, Any], manifest: dict[str, Any]) -> str:
     lines.append("lineage: " + (" <- ".join(i["ref"] for i in manifest.get("inputs", [])) or undrafted)
                  + f" <- target {(manifest.get('target') or {}).get('model', '?')}")
     return "\n".join(lines)
+
+
+def compare_table(compare: dict[str, Any]) -> str:
+    """The comparison: one row per way of serving, and the recommendation with its make line."""
+    levels = [str(c) for c in compare["concurrency"]]
+    head = f"{'':<22} {'tok/step':>8} {'acc len':>8} {'per position':>18} " + " ".join(
+        f"{'x@' + c:>7}" for c in levels)
+    lines = [f"prompts {compare['prompts']}", "", head]
+    for row in compare["rows"]:
+        pos = " ".join(_f(p) for p in row.get("per_position") or []) or "-"
+        lines.append(f"{row['label'][:22]:<22} {_f(row['tokens_per_step']):>8} {_f(row['acceptance_length']):>8} "
+                     f"{pos:>18} " + " ".join(f"{_f(row['speedup'].get(c)):>7}" for c in levels))
+    rec = compare["recommendation"]
+    lines += ["", f"recommended: {rec['label']} ({rec['why']})", f"  {rec['serve']}"]
+    return "\n".join(lines)
