@@ -20,7 +20,7 @@ from typing import Any
 import click
 
 from eyas_common.bench import COMPARE_PLOT, check_start, read_results, start_compare, write_compare
-from eyas_common.contract import Dataset, DatasetError, sha256_file
+from eyas_common.contract import Dataset, DatasetError, data_root as default_root, sha256_file
 from eyas_common.lock import WriterLock
 from eyas_serve import bench
 from eyas_serve.config import LaunchConfig
@@ -142,7 +142,8 @@ def run(cfg: CompareConfig, data_root: Path | None = None) -> dict[str, Any]:
     for c in cands:  # every output and draft checked before any server starts
         check_start(_bench_name(cfg, c.label), draft=c.launch.draft, params={}, root=data_root)
     check_start(cfg.name, draft=None, params=params, root=data_root)
-    logs = Path(data_root or ".").absolute()
+    logs = (data_root or default_root()).absolute() / "logs"  # each engine's log, beside the data it measured
+    logs.mkdir(parents=True, exist_ok=True)
     baseline = _serve(replace(cfg.launch, model=cfg.model, port=cfg.port), logs / f"compare-{cfg.name}-base.log")
     refs, rows = [], [_row(None, None, None, cfg)]
     try:
