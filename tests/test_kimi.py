@@ -100,7 +100,6 @@ def test_chain_end_to_end(kimi: Path, tmp_path: Path) -> None:
     torch.set_num_threads(2)
     root = tmp_path / "data"
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 24, seed=11, split="train")
-    heldout = write_prompts_jsonl(tmp_path / "heldout.jsonl", 3, seed=1)
     r = CliRunner().invoke(synth_cli, ["run", "--prompts", str(prompts), "--name", "k", "--model", str(kimi),
                                        "--server", "http://127.0.0.1:9"], env={"EYAS_DATA": str(root)})
     assert r.exit_code != 0 and "pass --trust-remote-code" in r.output and "Traceback" not in r.output
@@ -124,10 +123,15 @@ def test_chain_end_to_end(kimi: Path, tmp_path: Path) -> None:
           draft_vocab=512, ttt_steps=3, batch_size=4, lr=3e-3, log_every=4)
     drafts_m = Dataset.parse("k", "drafts", root).read_manifest()
     assert drafts_m["status"] == "complete" and drafts_m["params"]["config"]["trust_remote_code"] is True
-    result = evaluate(draft="drafts/k", model=kimi, prompts=heldout, max_tokens=48, trust_remote_code=True,
+    # Eval on prompts of its synth set (all but 3 validation samples trained on): the target's greedy answers there
+    # are the synth answers (temperature 0), so a draft that learnt through the Kimi wrapper's embedding and lm_head
+    # is accepted there and a miswired one is not.
+    # An untrained draft scores about 1.0 (step-0 accuracy 0.05 at a fresh start, tests/test_init_draft.py); this
+    # recipe on 24 samples of the Llama fixture ends at step-0 accuracy 0.38 there, worth about 1.4.
+    result = evaluate(draft="drafts/k", model=kimi, prompts=prompts, limit=6, max_tokens=48, trust_remote_code=True,
                       data_root=root)
     print(f"eval: acceptance length {result['acceptance_length']:.2f}, per position {result['per_position']}")
-    assert result["drafts"] > 0 and result["acceptance_length"] > 1.0
+    assert result["drafts"] > 0 and result["acceptance_length"] >= 1.15, result
 
 
 def test_prompt_rendering_matches_what_the_server_sends(kimi: Path, tok) -> None:

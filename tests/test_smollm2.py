@@ -160,7 +160,13 @@ def test_a_draft_for_the_real_target_trains_exports_and_is_accepted_by_vllm(
                       "synth_tokens_per_s": stats.get("completion_tokens_per_s_last_run"),
                       "finish": {f: [x["finish_reason"] for x in smollm2_synth.samples].count(f)
                                  for f in ("stop", "length")}}, indent=2))
-    assert spec["acceptance_length"] > 1.0, spec
+    # vLLM's per-position counters add up to its accepted total (read apart) and fall with the position.
+    pos = spec["per_position"]
+    assert len(pos) == 3 and abs(1 + sum(pos) - spec["acceptance_length"]) < 1e-9, spec
+    assert all(a >= b for a, b in zip(pos, pos[1:])), spec
+    # This training measured 1.17 here (2026-12-03, bench/RESULTS.md); an untrained or miswired draft (random fc
+    # and layer before the target's own norm and lm_head) proposes almost nothing that is accepted, about 1.0.
+    assert spec["acceptance_length"] >= 1.08, spec
 
 
 def _check_export(draft: Path, target: Path) -> None:

@@ -411,14 +411,23 @@ def test_vllm_serves_a_trained_dflash_draft(overfit_drafts, dflash_hidden, fixtu
     from eyas_train.eval import evaluate
 
     root, path = dflash_hidden, dflash_hidden / "drafts" / "overfit_dflash"
-    prompts = write_prompts_jsonl(root / "heldout5.jsonl", 5, seed=11)
+    # The first 5 prompts of the 16 it was trained on (dflash_hidden: seed 5, train split): served greedily, their
+    # answers are the training answers, so a draft that learnt them is accepted there and a broken one is not.
+    prompts = write_prompts_jsonl(root / "trained5.jsonl", 5, seed=5, split="train")
     got = vllm_acceptance(fixture_target, path, prompts, root / "vllm_dflash.log", spec_tokens=7, max_tokens=64,
                           extra_args=["--enforce-eager"])
     offline = evaluate(draft="drafts/overfit_dflash", model=fixture_target, prompts=prompts, spec_tokens=7,
                        max_tokens=64, data_root=root)
     print(json.dumps({"vllm": got, "offline": offline}))
     assert got["drafts"] > 0 and got["draft_tokens"] == 7 * got["drafts"], got
-    assert 1.0 <= got["acceptance_length"] <= 8.0 and len(got["per_position"]) == 7, got
+    # vLLM's per-position counters, read apart from its accepted total, must add up to it, and fall with the
+    # position (a block is accepted as a prefix): what a misread /metrics page would not give.
+    pos = got["per_position"]
+    assert len(pos) == 7 and abs(1 + sum(pos) - got["acceptance_length"]) < 1e-9, got
+    assert all(a >= b for a, b in zip(pos, pos[1:])), got
+    # Measured here: 3.62 (per position 0.64 .. 0.27; eval the same). An untrained draft gives about 1.0, and the
+    # zero-mask-row draft, every slot one guess, gave 1.35 at 7 tokens (bench/RESULTS.md): 1.5 tells them apart.
+    assert got["acceptance_length"] >= 1.5, got
     assert offline["method"] == "dflash" and len(offline["per_position"]) == 7, offline
     assert abs(offline["acceptance_length"] - got["acceptance_length"]) <= 0.15, (offline, got)
 
