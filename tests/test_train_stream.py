@@ -37,7 +37,7 @@ from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.peak import PeakBytes
 from eyas_testing.stub import start_stub
 from eyas_train.cli import main as train_cli
-from helpers import make, rendering_answer
+from helpers import assert_refused, make, rendering_answer
 
 # 24 samples in 8 shards of 3; windows of 2 shards; 2 held out from the first window; batch 4: the first pass
 # streams 5 batches of the 22 training samples, the second pass is a seeded epoch over all of them. fp32: two
@@ -345,7 +345,8 @@ def refused(proc: subprocess.Popen, log: Path) -> str:
     assert proc.wait(timeout=300) == 1, log.read_text()
     out = log.read_text()
     errors = [line for line in out.splitlines() if line.startswith("Error: ")]
-    assert "Traceback" not in out and len(errors) == 1 and "the two would wait for ever" in errors[0], out
+    assert "Traceback" not in out and len(errors) == 1, out
+    assert_refused(errors[0], "STREAM_DEADLOCK", "hidden/")
     return errors[0]
 
 

@@ -50,10 +50,11 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, open_input,
+from eyas_common.contract import (MANIFEST, REMAKE, Dataset, DatasetError, commit_temp, is_temp, lock_file,
+                                  now_iso, open_input,
                                   raise_write_error, remake_fix, sha256_file, temp_path, temp_target,
                                   write_json_atomic)
-from eyas_common.lock import any_holder
+from eyas_common.lock import WriterLock, any_holder, holder
 
 FORMAT = "eyas.hidden/1"
 RUNS = "runs"
@@ -206,6 +207,49 @@ def budget_wait(manifest: dict[str, Any], writer: dict[str, Any] | None) -> dict
     if not wait or not writer or (wait.get("pid"), wait.get("host")) != (writer.get("pid"), writer.get("host")):
         return None
     return wait
+
+
+# The consumer lock: a training run with --consume holds `<root>/hidden/.<name>.consumer.lock` (lock.WriterLock,
+# part "consumer") for as long as it runs, and records its last error beside it, in `.<name>.consumer.error`
+# (JSON: by, error, at): a writer waiting under --disk-budget tells a live consumer from none, and says why.
+CONSUMER_PART = "consumer"
+
+
+def _consumer_error_file(ds: Dataset) -> Path:
+    return lock_file(ds, CONSUMER_PART).with_suffix(".error")
+
+
+@contextmanager
+def consuming(ds: Dataset, *, by: str) -> Iterator[None]:
+    """Hold the consumer lock of `ds` while draft `by` consumes it; the error the run stops with, if any, is
+    recorded (consumer_error) for the writer that waits on it. A clean end, or a new run, clears it."""
+    with WriterLock(ds, stage=f"03_train --consume ({by})", part=CONSUMER_PART):
+        _consumer_error_file(ds).unlink(missing_ok=True)
+        try:
+            yield
+        except BaseException as e:
+            text = getattr(e, "line", None) or f"{type(e).__name__}: {e}".strip()
+            if isinstance(e, (KeyboardInterrupt, SystemExit)):
+                text = f"{by} was stopped ({type(e).__name__})"
+            path = _consumer_error_file(ds)
+            tmp = path.with_suffix(".error.tmp")
+            tmp.write_text(json.dumps({"by": by, "error": text.splitlines()[0][:300] if text else "",
+                                       "at": now_iso()}) + "\n")
+            os.replace(tmp, path)
+            raise
+
+
+def consumer_alive(ds: Dataset) -> dict[str, Any] | None:
+    """The training run holding the consumer lock of `ds` now (its lock record), or None."""
+    return holder(ds, CONSUMER_PART)
+
+
+def consumer_error(ds: Dataset) -> dict[str, Any] | None:
+    """The last error a consuming training run recorded (by, error, at), or None."""
+    try:
+        return json.loads(_consumer_error_file(ds).read_text())
+    except (OSError, ValueError):
+        return None
 
 
 def finished_consumer(ds: Dataset) -> str | None:

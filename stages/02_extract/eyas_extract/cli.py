@@ -125,6 +125,9 @@ def main() -> None:
               help="With --follow: before each shard, wait while the shards not yet consumed by training "
                    "(eyas-train run --follow --consume) and the next one would exceed SIZE (50G, 500M, 2T: "
                    "decimal units; 40GiB: binary; or bytes).  [default: no limit]")
+@click.option("--consumer-grace", type=Finite(min=0), default=D["consumer_grace"].default, show_default=True,
+              help="With --disk-budget: seconds to wait with no training run holding the consumer lock "
+                   "(eyas-train run --consume) before stopping with [NO_CONSUMER]; a rerun resumes.")
 @click.option("--quiet", is_flag=True, help="No progress bar.")
 def run(quiet: bool, **kwargs) -> None:
     """Run the target over every sample; store aux states and the teacher signal in safetensors shards.

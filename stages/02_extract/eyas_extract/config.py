@@ -47,6 +47,7 @@ class ExtractOptions:
     poll_seconds: float = 5.0     # with follow: how often synth's files are read again
     disk_budget: int | None = None  # with follow: most bytes of shards not yet consumed by training (eyas-train
                                     # --consume); None: no limit
+    consumer_grace: float = 600.0  # with disk_budget: seconds with no training run consuming before extract stops
 
 
 @dataclass

@@ -22,9 +22,9 @@ from collections.abc import Callable
 from typing import Any
 
 from eyas_common.contract import Dataset, DatasetError, input_ref, sha256_file
-from eyas_common.hidden import (count_shard, finished_consumer, made_shards, mark_budget_wait, open_shard,
+from eyas_common.hidden import (consumer_alive, consumer_error, count_shard, finished_consumer, made_shards, mark_budget_wait, open_shard,
                                 shard_bytes, shard_name, update_manifest)
-from eyas_common.lock import WRITER_GRACE_S, WriterWatch
+from eyas_common.lock import WRITER_GRACE_S, WriterWatch, describe
 from eyas_common.samples import SampleLine, SynthTail
 
 from eyas_extract.batching import plan_shards
@@ -107,13 +107,13 @@ class ConsumerDone(Exception):
 
 
 def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: int, next_bytes: int, *,
-                    poll_s: float, say: Callable[[str], None]) -> None:
+                    poll_s: float, say: Callable[[str], None], grace_s: float = 600.0) -> None:
     """--disk-budget: before shard `shard` (`next_bytes`) is made, wait while the shards on disk would exceed
     `budget` with it (training with `eyas-train run --follow --consume` deletes them; one shard always goes).
     The wait is marked in the manifest while it lasts: a training run waiting for this very shard then knows
     that the two wait on each other (a budget too small for its window) and stops with the fix. Once that run
     is over (it stopped early, or its schedule ended before the data), ConsumerDone: nobody would read on."""
-    said_at, marked = -WAIT_LOG_S, False
+    said_at, marked, absent_since = -WAIT_LOG_S, False, None
     while True:
         if (draft := finished_consumer(ds)) is not None:
             mark_budget_wait(ds, manifest, None)
@@ -127,10 +127,21 @@ def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: i
             mark_budget_wait(ds, manifest, {"budget": budget, "shard": shard, "bytes": next_bytes,
                                             "pid": os.getpid(), "host": socket.gethostname()})
             marked = True
+        alive = consumer_alive(ds)
+        absent_since = None if alive else (absent_since or time.monotonic())
+        last = consumer_error(ds)
+        why = f" (last error: {last['error'][:70]})" if last and last.get("error") else ""
+        if absent_since is not None and time.monotonic() - absent_since >= grace_s:
+            mark_budget_wait(ds, manifest, None)
+            raise DatasetError(
+                f"{ds.ref}: no training run has held its consumer lock for {grace_s:g}s{why}. Fix and start "
+                f"`eyas-train run --follow --consume`, then rerun this extract: it resumes", code="NO_CONSUMER",
+                names=ds.ref)
         if time.monotonic() - said_at >= WAIT_LOG_S:
+            who = (f"no training run holds the consumer lock{why} (stopping after --consumer-grace {grace_s:g}s)"
+                   if alive is None else f"consumer: {describe(alive)}")
             say(f"waiting for training to consume shards: {held / 1e6:,.1f} MB of {ds.ref} shards on disk + "
-                f"{next_bytes / 1e6:,.1f} MB for the next > --disk-budget {budget / 1e6:,.1f} MB (training deletes "
-                f"a shard once past its last use; a training run that needs more than the budget holds says so)")
+                f"{next_bytes / 1e6:,.1f} MB for the next > --disk-budget {budget / 1e6:,.1f} MB; {who}")
             said_at = time.monotonic()
         time.sleep(poll_s)
 

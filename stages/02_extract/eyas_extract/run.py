@@ -198,6 +198,7 @@ class Job:
     todo: list[int] = field(default_factory=list)  # this worker's shards still to make
     follower: Follower | None = None  # --follow: synth as it is being written, and the shards it makes final
     disk_budget: int | None = None    # --follow --disk-budget: most bytes of shards not yet consumed by training
+    consumer_grace: float = 600.0     # --disk-budget: seconds with no consumer alive before extract stops
 
     @property
     def workers(self) -> int:
@@ -330,7 +331,7 @@ def _plan(opts: ExtractOptions, data_root: Path | None) -> Job:
         device_map=opts.device_map, trust_remote_code=opts.trust_remote_code)
     cfg.shard_tokens = max(1, opts.shard_mb * (1 << 20) // bytes_per_token(cfg))
     job = Job(cfg, sds, smanifest, fingerprint, Dataset.parse(opts.name, "hidden", data_root), dev, ranks, part, parts,
-              disk_budget=opts.disk_budget)
+              disk_budget=opts.disk_budget, consumer_grace=opts.consumer_grace)
     _cut(job, follow=opts.follow, poll_s=opts.poll_seconds)
     return job
 
@@ -474,7 +475,8 @@ def _follow(job: Job, manifest: dict[str, Any], progress: bool) -> dict[str, Any
                 return
             for j in todo:  # one at a time, each once the budget has room for it
                 size = shard_layout(job.cfg, len(job.plan[j]), sum(r.n_tokens for r in job.plan[j])).size
-                wait_for_budget(ds, manifest, job.disk_budget, j, size, poll_s=follower.poll_s, say=log)
+                wait_for_budget(ds, manifest, job.disk_budget, j, size, poll_s=follower.poll_s, say=log,
+                                grace_s=job.consumer_grace)
                 ex.shards(job.plan, [j], then=listed)
 
         def extract(todo: list[int]) -> None:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eyas_common.contract import Dataset, DatasetError
-from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, shard_name
+from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, shard_name, size_text
 from eyas_common.lock import WRITER_GRACE_S, WriterWatch, describe
 
 WAIT_LOG_S = 30.0  # a "waiting for" line is printed at most this often
@@ -98,10 +98,11 @@ def largest_shard(shards: HiddenShards, wait: dict[str, Any]) -> int:
     return max([wait["bytes"], *listed])
 
 
-def deadlock_line(shards: HiddenShards, wait: dict[str, Any], held: int, *, why: str, fix: str) -> str:
-    return (f"{shards.ds.ref}: eyas-extract waits to write {shard_name(wait['shard'])} ({wait['bytes'] / 1e6:,.2f} MB) "
-            f"under --disk-budget {wait['budget'] / 1e6:,.2f} MB with {held / 1e6:,.2f} MB of shards on disk, and "
-            f"{why}: the two would wait for ever. {fix}; both resume where they stopped")
+def deadlock_error(shards: HiddenShards, wait: dict[str, Any], held: int, *, fix: str) -> DatasetError:
+    """[STREAM_DEADLOCK]: extract waits for room under its --disk-budget that only this run could free, and this
+    run waits for its shards; `fix`: the size that works. The why: stages/03_train/README.md."""
+    return DatasetError(f"{shards.ds.ref}: --disk-budget {size_text(wait['budget'])} deadlocks extract and "
+                        f"training; {fix} (stages/03_train/README.md)", code="STREAM_DEADLOCK", names=shards.ds.ref)
 
 
 def first_window(shards: HiddenShards, window: int, n_val: int) -> range:

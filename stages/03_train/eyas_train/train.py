@@ -28,7 +28,7 @@ from eyas_common.contract import (REMAKE, Dataset, DatasetError, JsonlAppender, 
                                   write_jsonl_atomic)
 from eyas_common.drafts import (BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkpoint_name, checkpoint_paths,
                                 read_checkpoint, readable_checkpoint, target_mismatch, write_checkpoint)
-from eyas_common.hidden import HiddenShards, consume, shard_name, size_text
+from eyas_common.hidden import HiddenShards, consume, consuming, shard_name, size_text
 from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
 from eyas_common.procs import sigterm_as_interrupt
@@ -42,7 +42,7 @@ from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
 from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
-from eyas_train.stream import (Consumption, deadlock_line, expected_samples, extract_blocked,
+from eyas_train.stream import (Consumption, deadlock_error, expected_samples, extract_blocked,
                                first_window, largest_shard, stream_batches, wait_for_shards)
 from eyas_train.target import Teacher, check_model, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
@@ -156,7 +156,9 @@ def run(*, hidden: str, model: str | Path, name: str, data_root: Path | None = N
     d = parallel.init()
     try:
         # One writer per draft (rank 0 writes for all ranks); SIGTERM stops like Ctrl-C, at the last checkpoint.
-        with sigterm_as_interrupt(), WriterLock(out, stage="03_train") if d.main else nullcontext():
+        consumed = Dataset.parse(hidden, "hidden", data_root) if cfg.consume and d.main else None
+        with sigterm_as_interrupt(), WriterLock(out, stage="03_train") if d.main else nullcontext(), \
+                consuming(consumed, by=out.ref) if consumed else nullcontext():  # extract's --disk-budget reads it
             return _run(cfg, d, data_root, allow_code_change)
     except KeyboardInterrupt:
         kept = checkpoints(out.path)
@@ -777,16 +779,10 @@ def _refuse_budget_deadlock(s: RunState, upto: int) -> None:
         # the next window, and that window's W shards (the last of them being written).
         keep, carry, w = len(s.consumption.keep), s.recipe.batch_size - 1, s.cfg.window_shards
         largest, most = largest_shard(s.shards, blocked[0]), keep + carry + w
-        why = (f"this run needs {shard_name(upto - 1)} before it can free a shard (it keeps its {keep} validation "
-               f"shard(s) to the end, up to {carry} more for a batch that spans two windows, and reads "
-               f"--window-shards {w} at a time)")
-        fix = (f"Rerun extract with --disk-budget {size_text(most * largest)} or more ({most} shards of up to "
-               f"{largest / 1e6:,.2f} MB), or this run with a smaller --window-shards or --batch-size")
+        fix = f"rerun extract with --disk-budget {size_text(most * largest)} or more, or lower --window-shards"
     else:
-        why = (f"this run's recipe takes {s.recipe.total_steps} steps, more than one pass "
-               f"({s.recipe.steps_per_epoch}), so --consume frees shards only at its end")
-        fix = "Give extract a --disk-budget that holds the whole dataset, or train for one pass (--epochs 1)"
-    raise DatasetError(deadlock_line(s.shards, *blocked, why=why, fix=fix))
+        fix = f"give extract a --disk-budget that holds the whole dataset, or train one pass (--epochs 1)"
+    raise deadlock_error(s.shards, *blocked, fix=fix)
 
 
 def _refuse_first_window_deadlock(shards: HiddenShards, cfg: TrainConfig) -> None:
@@ -794,11 +790,8 @@ def _refuse_first_window_deadlock(shards: HiddenShards, cfg: TrainConfig) -> Non
     blocked = extract_blocked(shards, cfg.window_shards)
     if blocked is not None:
         w, largest = cfg.window_shards, largest_shard(shards, blocked[0])
-        raise DatasetError(deadlock_line(
-            shards, *blocked, why=f"this run reads its first --window-shards {w} shards before it trains or frees any",
-            fix=f"Rerun extract with a --disk-budget well above {size_text(w * largest)} ({w} shards of up to "
-                f"{largest / 1e6:,.2f} MB; the run also keeps its validation shards, and those of a batch that spans "
-                f"two windows), or this run with a smaller --window-shards"))
+        raise deadlock_error(shards, *blocked, fix=f"rerun extract with --disk-budget well above "
+                             f"{size_text(w * largest)}, or lower --window-shards")
 
 
 def export_checkpoint(name: str, *, step: int | None = None, out: str | None = None, model: str | Path | None = None,
