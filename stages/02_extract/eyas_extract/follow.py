@@ -130,13 +130,12 @@ def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: i
         alive = consumer_alive(ds)
         absent_since = None if alive else (absent_since or time.monotonic())
         last = consumer_error(ds)
-        why = f" (last error: {last['error'][:70]})" if last and last.get("error") else ""
+        why = f" (its last: {_short(last['error'])})" if last and last.get("error") else ""
         if absent_since is not None and time.monotonic() - absent_since >= grace_s:
             mark_budget_wait(ds, manifest, None)
-            raise DatasetError(
-                f"{ds.ref}: no training run has held its consumer lock for {grace_s:g}s{why}. Fix and start "
-                f"`eyas-train run --follow --consume`, then rerun this extract: it resumes", code="NO_CONSUMER",
-                names=ds.ref)
+            raise DatasetError(f"{ds.ref}: no training run consumed it for {grace_s:g}s{why}; start "
+                               f"`eyas-train run --follow --consume`, then rerun this extract", code="NO_CONSUMER",
+                               names=ds.ref)
         if time.monotonic() - said_at >= WAIT_LOG_S:
             who = (f"no training run holds the consumer lock{why} (stopping after --consumer-grace {grace_s:g}s)"
                    if alive is None else f"consumer: {describe(alive)}")
@@ -144,6 +143,11 @@ def wait_for_budget(ds: Dataset, manifest: dict[str, Any], budget: int, shard: i
                 f"{next_bytes / 1e6:,.1f} MB for the next > --disk-budget {budget / 1e6:,.1f} MB; {who}")
             said_at = time.monotonic()
         time.sleep(poll_s)
+
+
+def _short(error: str) -> str:
+    """A recorded error as a few words: its [CODE] when it has one (the code's docs say the rest)."""
+    return error.split("]", 1)[0] + "]" if error.startswith("[") else error[:50]
 
 
 def follow_started(manifest: dict[str, Any]) -> bool:

@@ -31,6 +31,7 @@ from eyas_common.drafts import (BEST_FILE, CKPT_DIR, LOG_FILE, PLOT_FILE, checkp
 from eyas_common.hidden import HiddenShards, consume, consuming, shard_name, size_text
 from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
+from eyas_common.model_card import write_model_card
 from eyas_common.procs import sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import MAY_CHANGE, TrainConfig
@@ -661,6 +662,7 @@ def _finish(s: RunState, t_start: float) -> None:
     manifest = s.out.read_manifest()
     if s.cfg.order == "shards":  # the hidden dataset as it is now (it may have grown since the run began)
         manifest["inputs"] = _lineage(s.shards.ds, s.shards.manifest)
+    write_model_card(s.out.path, {**manifest, "stats": stats}, s.out.name)
     finalize(s.out, manifest, stats=stats, records={LOG_FILE: log_records})
     say(f"wrote {s.out.path}: {s.train_s:.0f}s of training over all sessions, "
         f"{time.monotonic() - t_start:.0f}s in this one")
@@ -865,6 +867,7 @@ def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, ckpt: d
         write_draft(dest.path, state, DraftConfig(**p["draft"]), p["aux_layers"], target)
     stats = {**m.get("stats", {}), "exported_step": chosen}
     if dest == src:
+        write_model_card(dest.path, {**m, "stats": stats}, dest.name)
         if chosen == p["total_steps"] or m.get("status") == "complete":  # a complete one's files are hashed again
             finalize(src, m, stats=stats)
         else:
@@ -876,5 +879,6 @@ def _export(src: Dataset, m: dict[str, Any], dest: Dataset, chosen: int, ckpt: d
         snap = new_manifest("drafts", stage="03_train", target=m.get("target"),
                             inputs=[input_ref(src)] + m.get("inputs", []), params={**p, "exported_from": src.ref})
         dest.path.mkdir(parents=True, exist_ok=True)
+        write_model_card(dest.path, {**snap, "stats": stats}, dest.name)
         finalize(dest, snap, stats=stats)
     return dest.path
