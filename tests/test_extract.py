@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -36,6 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 SYNTH = "synth/fx"
 # Small shards and batches, so a dozen samples make several shards of several batches each.
 SMALL = {"shard_samples": 3, "batch_tokens": 160, "progress": False}
+FP8_TOPK = {"aux_dtype": "fp8", "teacher": "topk", "topk": 8}
 
 
 # Tiny matmuls on a shared 2-core machine: one thread is many times faster than two fighting.
@@ -185,15 +187,22 @@ def test_extract_shapes_offsets_and_hooks(root, baseline, target):
         assert not torch.allclose(got[:, slot], hs[k + 1][0], atol=0.05, rtol=0.01)
 
 
+def option_dataset(root: Path, fixture_target: Path, **opts: Any) -> str:
+    """hidden/opt-...: the synth extracted with `opts`, once per module, by whichever test reads it first (the
+    tests that read it pass in any order)."""
+    name = "opt-" + "-".join(str(v) for v in opts.values()).replace(", ", "_").replace("[", "").replace("]", "")
+    if not (root / "hidden" / name / "manifest.json").exists():
+        extract(synth=SYNTH, model=fixture_target, name=name, data_root=root, dtype="fp32", **SMALL, **opts)
+    return name
+
+
 @pytest.mark.parametrize("opts", [
     {"aux_dtype": "fp32"},
-    {"aux_dtype": "fp8", "teacher": "topk", "topk": 8},
+    FP8_TOPK,
     {"aux_dtype": "bf16", "teacher": "topk", "topk": 4, "layers": [1, 3, 6, 7]},
 ], ids=["fp32", "fp8-topk", "bf16-topk-4layers"])
 def test_options_match_output_hidden_states(root, fixture_target, target, opts):
-    name = "opt-" + "-".join(str(v) for v in opts.values()).replace(", ", "_").replace("[", "").replace("]", "")
-    extract(synth=SYNTH, model=fixture_target, name=name, data_root=root, **SMALL, **opts)
-    hd = open_hidden(f"hidden/{name}", data_root=root)
+    hd = open_hidden(f"hidden/{option_dataset(root, fixture_target, **opts)}", data_root=root)
     ref = reference(hd, target)
     n_aux, h = len(hd.params["layers"]), 128
     for j, sid in enumerate(hd.sample_ids):
@@ -217,8 +226,8 @@ def test_options_match_output_hidden_states(root, fixture_target, target, opts):
 
 def test_fp8_and_topk_round_trip(root, fixture_target, target):
     """fp8 aux dequantises to within e4m3 rounding of the fp32 states; top-K log-probs are the target's."""
-    hd8 = open_hidden("hidden/opt-fp8-topk-8", data_root=root)
-    hd32 = open_hidden("hidden/opt-fp32", data_root=root)
+    hd8 = open_hidden(f"hidden/{option_dataset(root, fixture_target, **FP8_TOPK)}", data_root=root)
+    hd32 = open_hidden(f"hidden/{option_dataset(root, fixture_target, aux_dtype='fp32')}", data_root=root)
     assert hd8.sample_ids == hd32.sample_ids
     for j in range(len(hd8)):
         x, x8 = hd32.aux(j), hd8.aux(j)
@@ -423,10 +432,7 @@ def test_vllm_backend_agrees_with_hf(root, fixture_target, opts):
            "--model", str(fixture_target), "--name", name, "--shard-samples", "3", "--dtype", "fp32", "--quiet", *opts]
     res = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-6000:]
-    hf_name = "opt-fp32" if "fp32" in opts else "opt-fp8-topk-8"
-    if not (root / "hidden" / hf_name / "manifest.json").exists():
-        extract(synth=SYNTH, model=fixture_target, name=hf_name, data_root=root, dtype="fp32", **SMALL,
-                **({"aux_dtype": "fp32"} if "fp32" in opts else {"aux_dtype": "fp8", "teacher": "topk", "topk": 8}))
+    hf_name = option_dataset(root, fixture_target, **({"aux_dtype": "fp32"} if "fp32" in opts else FP8_TOPK))
     v, h = open_hidden(f"hidden/{name}", data_root=root), open_hidden(f"hidden/{hf_name}", data_root=root)
     assert v.params["backend"] == "vllm" and h.params["backend"] == "hf"
     same = ("layers", "num_layers", "hidden_size", "vocab_size", "aux_dtype", "teacher", "topk", "dtype")
