@@ -18,7 +18,8 @@ import pytest
 
 from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_results, write_results
 from eyas_common.chat import load_tokenizer, target_fingerprint
-from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, remove, write_json_atomic
+from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, write_json_atomic
+from eyas_common.lock import remove
 from helpers import assert_refused
 from eyas_testing.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig

@@ -15,8 +15,8 @@ from click.core import ParameterSource
 
 from eyas_common.cli_errors import EyasGroup
 from eyas_common.contract import (Dataset, DatasetError, check_intact, data_root, file_in_the_way, folder_bytes,
-                                  human_bytes, list_datasets, remove)
-from eyas_common.lock import refuse_if_written
+                                  human_bytes, list_datasets)
+from eyas_common.lock import refuse_if_written, remove
 
 
 @click.group(cls=EyasGroup, context_settings={"help_option_names": ["-h", "--help"]})

@@ -794,35 +794,6 @@ def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any
     return out
 
 
-def remove(ds: Dataset, *, dry_run: bool = False) -> str:
-    """Delete a dataset folder (only say what would go when `dry_run`); a symlink in its place is unlinked,
-    never followed; anything else that is not a dataset folder inside the data root is refused, and so is a
-    dataset a live writer holds (a dead writer's lock does not count)."""
-    # lock.py builds on this module, so it is imported only here, where it is used
-    from eyas_common.lock import held_for_removal, refuse_if_written
-
-    if ds.path.is_symlink():
-        # A link (e.g. an alias of another dataset): the link goes, whatever it points to stays.
-        refuse_if_written(ds)
-        points_to = os.readlink(ds.path)
-        if dry_run:
-            return f"would delete the link {ds.path} (its target {points_to} is kept); nothing deleted (dry run)"
-        ds.path.unlink()
-        return f"deleted the link {ds.path}; its target {points_to} is kept"
-    if not ds.path.is_dir():
-        raise DatasetError(f"{ds.ref}: {ds.path} is a file, not a dataset folder; remove it by hand if it is yours")
-    root = ds.root.resolve()
-    target = ds.path.resolve()
-    if target.parent.parent != root:
-        raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
-    if dry_run:
-        refuse_if_written(ds)
-        return f"would delete {target} ({human_bytes(folder_bytes(target))}); nothing deleted (dry run)"
-    with held_for_removal(ds):  # no writer starts while its folder goes
-        shutil.rmtree(target)
-    return f"deleted {target}"
-
-
 def file_in_the_way(path: Path) -> Path | None:
     """The first of PATH and its parents that exists and is not a folder (a file where a folder must be), or None."""
     for p in (path, *path.parents):

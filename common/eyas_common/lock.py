@@ -16,6 +16,7 @@ import fcntl
 import json
 import os
 import re
+import shutil
 import socket
 import sys
 import time
@@ -23,7 +24,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-from eyas_common.contract import Dataset, DatasetError, lock_file, now_iso
+from eyas_common.contract import Dataset, DatasetError, folder_bytes, human_bytes, lock_file, now_iso
 
 
 # A follower (extract of synth, train of hidden) calls a partial dataset stopped only once no writer has held
@@ -208,3 +209,29 @@ def _read(fd: int) -> dict[str, Any] | None:
 def describe(holder: dict[str, Any] | None) -> str:
     h = holder or {}
     return f"{h.get('stage', 'a writer')} pid {h.get('pid', '?')} on host {h.get('host', '?')} since {h.get('started', '?')}"
+
+
+def remove(ds: Dataset, *, dry_run: bool = False) -> str:
+    """Delete a dataset folder (only say what would go when `dry_run`); a symlink in its place is unlinked,
+    never followed; anything else that is not a dataset folder inside the data root is refused, and so is a
+    dataset a live writer holds (a dead writer's lock does not count)."""
+    if ds.path.is_symlink():
+        # A link (e.g. an alias of another dataset): the link goes, whatever it points to stays.
+        refuse_if_written(ds)
+        points_to = os.readlink(ds.path)
+        if dry_run:
+            return f"would delete the link {ds.path} (its target {points_to} is kept); nothing deleted (dry run)"
+        ds.path.unlink()
+        return f"deleted the link {ds.path}; its target {points_to} is kept"
+    if not ds.path.is_dir():
+        raise DatasetError(f"{ds.ref}: {ds.path} is a file, not a dataset folder; remove it by hand if it is yours")
+    root = ds.root.resolve()
+    target = ds.path.resolve()
+    if target.parent.parent != root:
+        raise DatasetError(f"refusing to delete {target}: it is not a dataset folder inside the data root {root}")
+    if dry_run:
+        refuse_if_written(ds)
+        return f"would delete {target} ({human_bytes(folder_bytes(target))}); nothing deleted (dry run)"
+    with held_for_removal(ds):  # no writer starts while its folder goes
+        shutil.rmtree(target)
+    return f"deleted {target}"

@@ -18,6 +18,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from eyas_common.contract import Dataset, DatasetError
 from eyas_common.hidden import HiddenShards, SampleRef
 from eyas_train.vocab import count_tokens
 
@@ -131,3 +132,11 @@ def prefetch(shards: HiddenShards, plan: Iterator[list[int] | None], max_len: in
             pending = fut
         if pending is not None:
             yield pending.result()
+
+
+def refuse_no_targets(hidden_ds: Dataset, shards: HiddenShards, max_len: int) -> None:
+    """Refuse a --max-len that cuts every sample before its completion starts: the draft would learn nothing."""
+    if not kept_targets(shards, max_len):
+        raise DatasetError(f"--max-len {max_len} keeps no completion token of {hidden_ds.ref} (the samples' first "
+                           f"{max_len} tokens are all prompt), so the draft would learn nothing: raise it (its samples "
+                           f"are up to {max(x.length for x in shards.samples)} tokens long)")

@@ -21,12 +21,13 @@ from eyas_common.checkpoint import read_text_config
 from eyas_common.contract import REMAKE, Dataset, DatasetError
 from eyas_common.hidden import HiddenShards
 from eyas_train import parallel
-from eyas_train.data import per_sample, prefetch, rank_share, token_counts
+from eyas_train.data import per_sample, prefetch, rank_share, refuse_no_targets, token_counts
 from eyas_train.dflash import (BlockLoss, DFlashConfig, DFlashDraft, default_block_size, default_draft_layers,
                                default_gamma, pad_anchors, sample_anchors, valid_anchors)
 from eyas_train.dflash_export import write_dflash_draft
 from eyas_train.recipe import predicted_acceptance, replay_acceptance, resolve, split_by_sample, val_count
-from eyas_train.target import load_embedding, load_lm_head, load_weight
+from eyas_train.state import RunState, optimiser, resumed
+from eyas_train.target import attention_shape, load_embedding, load_lm_head, load_weight
 from eyas_train.vocab import VocabMap
 
 MASK_NAMES = ("<|MASK|>", "<mask>", "[MASK]", "<|mask|>")
@@ -82,7 +83,6 @@ def pick_mask_token(tokenizer: Any, counts: torch.Tensor, requested: int | None,
 def dflash_config(target: dict[str, Any], hidden_size: int, n_features: int, cfg: Any,
                   mask_token_id: int) -> DFlashConfig:
     """The draft's shape: layers like the target's own (width, heads, FFN, RoPE), the knobs from the target."""
-    from eyas_train.train import attention_shape
 
     heads, head_dim, rope = attention_shape(target, hidden_size)
     return DFlashConfig(
@@ -112,7 +112,6 @@ def new_dflash_draft(dcfg: DFlashConfig, model: str | Path, seed: int) -> DFlash
 def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[str, Any], out: Dataset,
                  ckpt: dict[str, Any] | None) -> Any:
     """train._setup for --method dflash: the RunState the shared loop runs (resumed from `ckpt`)."""
-    from eyas_train.train import RunState, optimiser, refuse_no_targets, resumed
 
     params = hidden_m["params"]
     target = read_text_config(cfg.model)

@@ -113,3 +113,14 @@ class Teacher:
         out.scatter_add_(-1, draft.clamp(min=0), p * kept)
         top = ids.gather(-1, logprobs.argmax(-1, keepdim=True)).squeeze(-1)
         return out, top
+
+
+def attention_shape(target: dict[str, Any], hidden_size: int) -> tuple[int, int, dict[str, Any]]:
+    """A draft layer's heads, head_dim and RoPE parameters, as one of the target's layers has them."""
+    heads = target["num_attention_heads"]
+    # MLA targets (DeepseekV3 / Kimi) have no Llama head_dim; the draft's Llama layer splits H evenly.
+    head_dim = (None if "kv_lora_rank" in target else target.get("head_dim")) or hidden_size // heads
+    rope = dict(target.get("rope_parameters") or target.get("rope_scaling") or {})
+    rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
+    rope.setdefault("rope_theta", target.get("rope_theta", 10000.0))
+    return heads, head_dim, rope

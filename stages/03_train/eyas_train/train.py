@@ -7,14 +7,12 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
-import random
 import re
 import shutil
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -35,17 +33,18 @@ from eyas_common.model_card import write_model_card
 from eyas_common.procs import sigterm_as_interrupt
 from eyas_train import parallel
 from eyas_train.config import MAY_CHANGE, TrainConfig
-from eyas_train.data import global_batches, kept_targets, per_sample, prefetch, rank_share, token_counts
+from eyas_train.data import global_batches, per_sample, prefetch, rank_share, refuse_no_targets, token_counts
 from eyas_train.export import write_draft
 from eyas_train.hostmem import HeapTrimmer
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.model import DraftConfig, Eagle3Draft
 from eyas_train.plot import plot_log
-from eyas_train.recipe import (Recipe, lr_lambda, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
+from eyas_train.recipe import (Recipe, predicted_acceptance, replay_acceptance, resolve, split_by_sample,
                                val_count)
 from eyas_train.stream import (Consumption, deadlock_error, expected_samples, extract_blocked,
                                first_window, largest_shard, stream_batches, wait_for_shards)
-from eyas_train.target import Teacher, check_model, load_embedding, load_lm_head, load_weight
+from eyas_train.state import RunState, optimiser, resumed, rng_state
+from eyas_train.target import Teacher, attention_shape, check_model, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
 
@@ -55,17 +54,6 @@ PREDICT_SPEC_TOKENS = 3  # the acceptance length printed at the end is predicted
 def say(msg: str) -> None:
     """A progress line on stderr that does not break the progress bar."""
     tqdm.write(f"[eyas-train] {msg}", file=sys.stderr)
-
-
-def attention_shape(target: dict[str, Any], hidden_size: int) -> tuple[int, int, dict[str, Any]]:
-    """A draft layer's heads, head_dim and RoPE parameters, as one of the target's layers has them."""
-    heads = target["num_attention_heads"]
-    # MLA targets (DeepseekV3 / Kimi) have no Llama head_dim; the draft's Llama layer splits H evenly.
-    head_dim = (None if "kv_lora_rank" in target else target.get("head_dim")) or hidden_size // heads
-    rope = dict(target.get("rope_parameters") or target.get("rope_scaling") or {})
-    rope["rope_type"] = rope.get("rope_type", rope.pop("type", "default"))
-    rope.setdefault("rope_theta", target.get("rope_theta", 10000.0))
-    return heads, head_dim, rope
 
 
 def draft_config(target: dict[str, Any], hidden_size: int, vocab_size: int, n_aux: int, draft_vocab: int,
@@ -119,18 +107,6 @@ def resume_checkpoint(out: Dataset) -> dict[str, Any] | None:
                else f"no checkpoint in {found[-1].parent} is readable: delete that folder and rerun the same command "
                     f"to start over")
         raise DatasetError(f"{e.message}; {fix}") from None
-
-
-def rng_state() -> dict[str, Any]:
-    return {"torch": torch.get_rng_state(), "python": random.getstate(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_rng_state(s: dict[str, Any]) -> None:
-    torch.set_rng_state(s["torch"])
-    random.setstate(s["python"])
-    if s["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(s["cuda"])
 
 
 def vocab_from(state: dict[str, Any]) -> VocabMap:
@@ -243,39 +219,6 @@ def _lineage(hidden_ds: Dataset, hidden_m: dict[str, Any]) -> list[dict[str, str
     return [input_ref(hidden_ds)] + [i for i in hidden_m.get("inputs", []) if isinstance(i, dict)]
 
 
-@dataclass
-class RunState:
-    """One training run from set-up to export: its inputs, the resolved recipe, the model and optimiser,
-    and where it stands (step, training time, best validation so far)."""
-    cfg: TrainConfig
-    d: parallel.Dist
-    out: Dataset
-    shards: HiddenShards
-    recipe: Recipe
-    train_idx: list[int]
-    val_idx: list[int]
-    lengths: list[int]            # kept rows per sample, all samples (--follow: all taken so far)
-    vocab: VocabMap
-    dcfg: DraftConfig
-    aux_layers: list[int]
-    target: dict[str, Any]
-    teacher: Teacher
-    module: torch.nn.Module
-    opt: torch.optim.Optimizer
-    sched: Any
-    start: int = 0                # the step this session starts at
-    step: int = 0                 # optimiser steps done
-    train_s: float = 0.0          # loop time summed over all sessions of the run
-    best: dict[str, Any] = field(default_factory=lambda: {"step": None, "score": None, "stale": 0, "val": None})
-    last: dict[str, Any] | None = None  # the newest training log record
-    method: Any = None            # another draft method's hooks (dflash_train.DFlashMethod); None: EAGLE-3
-    consumption: Consumption | None = None  # --consume: the shards used for the last time (stream.py)
-
-    @property
-    def trainable(self) -> list[torch.nn.Parameter]:
-        return [p for p in self.module.parameters() if p.requires_grad]
-
-
 def _run(cfg: TrainConfig, d: parallel.Dist, data_root: Path | None, allow_code_change: bool = False) -> Path:
     t_start = time.monotonic()
     hidden_ds, hidden_m, manifest, out, ckpt = _open(cfg, data_root, allow_code_change)
@@ -356,14 +299,6 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
     return resumed(s, ckpt)
 
 
-def refuse_no_targets(hidden_ds: Dataset, shards: HiddenShards, max_len: int) -> None:
-    """Refuse a --max-len that cuts every sample before its completion starts: the draft would learn nothing."""
-    if not kept_targets(shards, max_len):
-        raise DatasetError(f"--max-len {max_len} keeps no completion token of {hidden_ds.ref} (the samples' first "
-                           f"{max_len} tokens are all prompt), so the draft would learn nothing: raise it (its samples "
-                           f"are up to {max(x.length for x in shards.samples)} tokens long)")
-
-
 def _split(cfg: TrainConfig, d: parallel.Dist, shards: HiddenShards, hidden_m: dict[str, Any], hidden_size: int,
            ckpt: dict[str, Any] | None) -> tuple[list[int], list[int], Recipe, int | None]:
     """(training indices, validation indices, recipe, shards the vocabulary is counted over: None for all).
@@ -393,24 +328,6 @@ def _split(cfg: TrainConfig, d: parallel.Dist, shards: HiddenShards, hidden_m: d
 
 def _quiet(_: str) -> None:
     pass
-
-
-def optimiser(cfg: TrainConfig, module: torch.nn.Module, recipe: Recipe) -> tuple[torch.optim.Optimizer, Any]:
-    """AdamW over the trainable parameters, and its warm-up + cosine schedule."""
-    opt = torch.optim.AdamW([p for p in module.parameters() if p.requires_grad], lr=recipe.lr, betas=(0.9, 0.95),
-                            weight_decay=cfg.weight_decay)
-    return opt, torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(recipe.total_steps, recipe.warmup_steps))
-
-
-def resumed(s: RunState, ckpt: dict[str, Any] | None) -> RunState:
-    """`s` with a checkpoint's model, optimiser, schedule, RNG and progress loaded (as it is without one)."""
-    if ckpt is not None:
-        parallel.load_state_dicts(s.module, s.opt, ckpt["model"], ckpt["optim"])
-        s.sched.load_state_dict(ckpt["sched"])
-        set_rng_state(ckpt["rng"])
-        s.start = s.step = ckpt["step"]
-        s.train_s, s.best = ckpt["train_s"], ckpt.get("best", s.best)
-    return s
 
 
 def _vocab_and_config(cfg: TrainConfig, d: parallel.Dist, ckpt: dict[str, Any] | None, init: Any,
