@@ -350,6 +350,8 @@ def test_run_method_dflash_trains_and_exports(dflash_hidden, fixture_target):
     cfg = json.loads((path / "config.json").read_text())
     assert cfg["architectures"] == ["DFlashDraftModel"] and cfg["dflash_config"]["target_layer_ids"] == [1, 2, 3, 4, 5]
     assert cfg["dflash_config"]["mask_token"] == "[BOS]"
+    # the card's serve line is the one this draft is served with: method dflash, K = block size - 1
+    assert '"method": "dflash"' in (card := (path / "README.md").read_text()) and '"num_speculative_tokens": 7' in card
     draft, aux = load_dflash_draft(path, fixture_target)
     assert aux == [2, 3, 4, 5, 6] and draft.cfg.block_size == 8
     snap = export_checkpoint("dfl", out="dfl_snap", data_root=root)  # a re-export of the last checkpoint

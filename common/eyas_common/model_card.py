@@ -10,14 +10,15 @@ from pathlib import Path
 from typing import Any
 
 from eyas_common.contract import atomic_output
+from eyas_common.drafts import draft_method, read_config, served_spec_tokens
 
 CARD_FILE = "README.md"
 
 
-def _front_matter(manifest: dict[str, Any], config: dict[str, Any]) -> list[str]:
+def _front_matter(manifest: dict[str, Any], method: str) -> list[str]:
     target = (manifest.get("target") or {}).get("model", "?")
     return ["---", f"base_model: {Path(str(target)).name}", "library_name: vllm", "tags:",
-            "- speculative-decoding", f"- {_method(config)}", "- eyas", "---", ""]
+            "- speculative-decoding", f"- {method}", "- eyas", "---", ""]
 
 
 def _measured(stats: dict[str, Any]) -> list[str]:
@@ -31,22 +32,22 @@ def _measured(stats: dict[str, Any]) -> list[str]:
             "Measure it served with `eyas-serve compare` (or `make compare`) on your own prompts.", ""]
 
 
-def model_card(manifest: dict[str, Any], config: dict[str, Any], name: str) -> str:
-    """The card's text."""
+def model_card(manifest: dict[str, Any], config: dict[str, Any], name: str, *, method: str, spec_tokens: int) -> str:
+    """The card's text: `method` and `spec_tokens` as the draft is served (eyas_common.drafts)."""
     target = manifest.get("target") or {}
     params, stats = manifest.get("params") or {}, manifest.get("stats") or {}
     lineage = [i.get("ref", "?") for i in manifest.get("inputs") or []]
     producer = manifest.get("producer") or {}
     recipe = {k: params[k] for k in sorted(params) if not isinstance(params[k], (dict, list)) and k not in
               ("model", "hidden", "name")}
-    lines = _front_matter(manifest, config) + [
+    lines = _front_matter(manifest, method) + [
         f"# {name}: a speculative-decoding draft for {Path(str(target.get('model', '?'))).name}", "",
         f"Trained by eyas from the target's own answers. Architecture `{(config.get('architectures') or ['?'])[0]}`, "
         f"hidden size {config.get('hidden_size')}, a {config.get('draft_vocab_size', config.get('vocab_size'))}-token "
         f"draft vocabulary, aux layers {config.get('eagle_aux_hidden_state_layer_ids', '-')}.", "",
         "## Serve it", "", "```bash",
-        f"vllm serve TARGET --speculative-config '{{\"method\": \"{_method(config)}\", \"model\": \"DRAFT\", "
-        f"\"num_speculative_tokens\": 3}}'", "```", "",
+        f"vllm serve TARGET --speculative-config '{{\"method\": \"{method}\", \"model\": \"DRAFT\", "
+        f"\"num_speculative_tokens\": {spec_tokens}}}'", "```", "",
         "## Target", "", f"- model: `{target.get('model')}`", f"- tokenizer sha256: `{target.get('tokenizer_sha256')}`",
         f"- chat template sha256: `{target.get('chat_template_sha256')}`", "",
         "## Data and lineage", "", *(f"- `{ref}`" for ref in lineage), "",
@@ -59,14 +60,10 @@ def model_card(manifest: dict[str, Any], config: dict[str, Any], name: str) -> s
     return "\n".join(lines)
 
 
-def _method(config: dict[str, Any]) -> str:
-    return "dflash" if "DFlash" in "".join(config.get("architectures") or []) else "eagle3"
-
-
 def write_model_card(folder: Path, manifest: dict[str, Any], name: str) -> Path:
     """README.md in the draft folder, beside its config.json (read for the architecture and sizes)."""
-    config = json.loads((folder / "config.json").read_text())
     path = folder / CARD_FILE
     with atomic_output(path) as tmp:
-        tmp.write_text(model_card(manifest, config, name))
+        tmp.write_text(model_card(manifest, read_config(folder), name, method=draft_method(folder),
+                                  spec_tokens=served_spec_tokens(folder)))
     return path
