@@ -4,9 +4,9 @@ Per draft shape (--shapes), on batches of synthetic samples whose lengths are dr
 between --min-len and --max-len tokens (long-tailed: for 50-600, median 173, mean 221), the first third of
 each sample its prompt (loss mask 0), timed forward + backward as eyas-train runs them:
 
-    TTT / bare       tokens/s of the TTT step (the draft unrolled --ttt-steps times) over those of a bare step
+    TTT / bare       tokens/s of the TTT step (the draft unrolled TTT times, --steps) over those of a bare step
                      of the same draft (one step: fc, the layer, lm_head and the same loss) on the same packed
-                     large batch; the ideal is 1 / ttt-steps (goal: at least 0.9 of it)
+                     large batch; the ideal is 1 / TTT (goal: at least 0.9 of it)
     packed, padded   useful (non-padding) tokens/s of the TTT step with the same samples packed end to end
                      (the default) and one right-padded sample per row (--batching padded), at each of
                      --batches (4, and 38: the rule's batch at 16,384 tokens a step on ~430-token samples);
@@ -19,6 +19,10 @@ CPU its time is the process's CPU time over its threads (wall time on a shared m
     .venv/bin/python bench/train.py --quick    # fixture shape and SmolLM2 with 8,192 only, less timing
     python bench/train.py --shapes llama8b --batches 4,64   # a Llama-3-8B-sized draft on a GPU (adds MFU)
     .venv/bin/python bench/train.py --precision fp32,bf16    # bf16 autocast against fp32, side by side
+    .venv/bin/python bench/train.py --steps 0:7,256:7,256:4  # exact head at 7 TTT steps, sampled at 7 and 4
+
+The teacher rows are peaked as a real target's are (a few tokens, drawn Zipf-like from the draft vocabulary,
+hold most of the mass), so the sampled head's columns per chunk are as many as on real data.
 """
 
 from __future__ import annotations
@@ -54,7 +58,6 @@ def args() -> argparse.Namespace:
     p.add_argument("--batches", default="4,38", help="samples per step; the last one is the large batch")
     p.add_argument("--min-len", type=int, default=50)
     p.add_argument("--max-len", type=int, default=600)
-    p.add_argument("--ttt-steps", type=int, default=7)
     p.add_argument("--min-seconds", type=float, default=2.0, help="time each cell at least this long")
     p.add_argument("--max-rows", type=int, default=16,
                    help="rows per micro-batch (0: the whole batch at once); 16 fits a padded batch of 38 in ~8 GB")
@@ -63,6 +66,9 @@ def args() -> argparse.Namespace:
     p.add_argument("--precision", default="auto",
                    help="comma-separated, each of auto, fp32, bf16 (eyas-train's --precision, resolved the same way), "
                         "one row per shape and precision [default: auto]")
+    p.add_argument("--steps", default="0:7",
+                   help="comma-separated training steps, one row each, as NEGATIVES:TTT: eyas-train's --head-negatives "
+                        "(0: the exact loss) and --ttt-steps [default: 0:7, the defaults]")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--quick", action="store_true", help="--shapes fixture,smollm2-8k --min-seconds 0")
     p.add_argument("--peak-tflops", type=float, default=None, help="GPU dense bf16 peak, TFLOP/s")
@@ -99,9 +105,17 @@ def samples_for(cfg: DraftConfig, lengths: list[int], seed: int) -> list[dict[st
         mask[n // 3:] = 1
         out.append({"input_ids": torch.randint(0, cfg.vocab_size, (n,), generator=g), "loss_mask": mask,
                     "aux": torch.randn(n, 3 * cfg.hidden_size, generator=g),
-                    "target_p": torch.softmax(torch.randn(n, cfg.draft_vocab_size, generator=g), -1),
+                    "target_p": teacher_rows(n, cfg.draft_vocab_size, g),
                     "target_top": torch.randint(0, cfg.vocab_size, (n,), generator=g)})
     return out
+
+
+def teacher_rows(n: int, vocab: int, g: torch.Generator, peaks: int = 4) -> torch.Tensor:
+    """[n, vocab] distributions with `peaks` likely tokens a row (ids log-uniform: frequent ones low, as the
+    draft vocabulary is ordered) holding ~95% of the mass, the rest a noisy tail."""
+    logits = torch.randn(n, vocab, generator=g)
+    ids = (vocab ** torch.rand(n, peaks, generator=g)).long().clamp(max=vocab) - 1
+    return torch.softmax(logits.scatter_add_(1, ids, torch.full((n, peaks), math.log(vocab) + 2.0)), -1)
 
 
 def timed(fn: Callable[[], None], min_seconds: float, device: torch.device) -> tuple[float, int]:
@@ -133,12 +147,12 @@ def timed(fn: Callable[[], None], min_seconds: float, device: torch.device) -> t
 
 
 def train_step(draft: Eagle3Draft, steps: int, batch: dict[str, torch.Tensor], device: torch.device,
-               max_rows: int, precision: str) -> Callable[[], None]:
+               max_rows: int, precision: str, negatives: int = 0) -> Callable[[], None]:
     """One forward + backward of the unrolled loss over a collated batch, as eyas-train's _forward runs it;
     over more than `max_rows` rows, as micro-batches of rows with the whole batch's denominators (the same
     work and gradients, in less memory)."""
     b = {k: v.to(device) for k, v in batch.items() if k not in ("length", "spans")}
-    loss_fn = UnrolledLoss(draft, steps)
+    loss_fn = UnrolledLoss(draft, steps, negatives=negatives)
     denom = step_counts(b["loss_mask"], steps, b["segment"])
     rows = b["input_ids"].shape[0]
     parts = [slice(i, i + (max_rows or rows)) for i in range(0, rows, max_rows or rows)]
@@ -168,27 +182,29 @@ def model_flops(cfg: DraftConfig, batch: dict[str, torch.Tensor], steps: int) ->
     return 3 * 2 * (tokens * (fc + steps * layer) + counted * h * cfg.draft_vocab_size + attn / 2)
 
 
-def bench_shape(shape: str, precision: str, a: argparse.Namespace, device: torch.device) -> dict[str, float]:
-    """This shape's cells at each batch in one precision: useful tokens/s of the TTT step packed and padded,
-    and of the bare step packed."""
+def bench_shape(shape: str, precision: str, negatives: int, ttt: int, a: argparse.Namespace, device: torch.device,
+                ) -> dict[str, float]:
+    """This shape's cells at each batch in one precision, head loss and TTT depth: useful tokens/s of the TTT
+    step packed and padded, and of the bare step packed."""
     draft, out = draft_for(shape, device), {}
     for n in [int(x) for x in a.batches.split(",")]:
         lengths = lengths_for(n, a.min_len, a.max_len, a.seed + n)
         samples = samples_for(draft.cfg, lengths, a.seed)
         for layout in ("packed", "padded"):
             batch = collate(samples, packed=layout == "packed")
-            step = train_step(draft, a.ttt_steps, batch, device, a.max_rows, precision)
+            step = train_step(draft, ttt, batch, device, a.max_rows, precision, negatives)
             s, calls = timed(step, a.min_seconds, device)
             out[f"{layout} {n}"] = sum(lengths) / s
             rows, slots = batch["input_ids"].shape
-            print(f"  {shape} {precision} batch {n} {layout}: {rows} rows x {slots}"
+            print(f"  {shape} {precision} head {negatives or 'exact'} TTT {ttt} batch {n} {layout}: {rows} rows x {slots}"
                   f" slots for {sum(lengths)} tokens, {s:.2f} s/step (best of {calls}){peak_memory(device)}",
                   flush=True)
             if layout == "packed":
-                s_bare, _ = timed(train_step(draft, 1, batch, device, a.max_rows, precision), a.min_seconds, device)
+                s_bare, _ = timed(train_step(draft, 1, batch, device, a.max_rows, precision, negatives), a.min_seconds,
+                                  device)
                 out[f"bare {n}"] = sum(lengths) / s_bare
                 if device.type == "cuda":
-                    out[f"mfu {n}"] = model_flops(draft.cfg, batch, a.ttt_steps) / s / peak_flops(a)
+                    out[f"mfu {n}"] = model_flops(draft.cfg, batch, ttt) / s / peak_flops(a)
             del batch  # one layout's teacher probabilities in memory at a time
     return out
 
@@ -206,14 +222,16 @@ def peak_flops(a: argparse.Namespace) -> float:
     return peak or math.nan
 
 
-def report(results: dict[tuple[str, str], dict[str, float]], a: argparse.Namespace) -> None:
-    batches, steps, gpu = [int(x) for x in a.batches.split(",")], a.ttt_steps, torch.cuda.is_available()
+def report(results: dict[tuple[str, str, int, int], dict[str, float]], a: argparse.Namespace) -> None:
+    batches, gpu = [int(x) for x in a.batches.split(",")], torch.cuda.is_available()
     cell = f" {{:>9}} {{:>8}} {{:>5}} {{:>9}} {{:>{8 if gpu else 0}}} |"
-    print(f"{'':<12} {'':>5} {'':>7} {'':>5} |" + "".join(cell.format(f"batch {n}", "", "", "", "") for n in batches))
-    print(f"{'shape':<12} {'H':>5} {'draft V':>7} {'prec':>5} |"
+    print(f"{'':<12} {'':>5} {'':>7} {'':>5} {'':>5} {'':>3} |"
+          + "".join(cell.format(f"batch {n}", "", "", "", "") for n in batches))
+    print(f"{'shape':<12} {'H':>5} {'draft V':>7} {'prec':>5} {'head':>5} {'TTT':>3} |"
           + cell.format("packed", "padded", "x", "TTT/bare", "MFU" if gpu else "") * len(batches))
-    for (shape, precision), r in results.items():
-        line = f"{shape:<12} {SHAPES[shape][0]:>5} {SHAPES[shape][-1]:>7} {precision:>5} |"
+    for (shape, precision, negatives, steps), r in results.items():
+        line = (f"{shape:<12} {SHAPES[shape][0]:>5} {SHAPES[shape][-1]:>7} {precision:>5} {negatives or 'exact':>5}"
+                f" {steps:>3} |")
         for n in batches:
             packed, padded, bare = r[f"packed {n}"], r[f"padded {n}"], r[f"bare {n}"]
             line += cell.format(f"{packed:,.0f}", f"{padded:,.0f}", f"{packed / padded:.2f}",
@@ -227,14 +245,15 @@ def main() -> None:
     if a.threads:
         torch.set_num_threads(a.threads)
     where = torch.cuda.get_device_name() if device.type == "cuda" else f"cpu ({torch.get_num_threads()} threads)"
-    print(f"device {where}; {a.ttt_steps} TTT steps; sample lengths log-uniform {a.min_len}-{a.max_len} "
+    print(f"device {where}; sample lengths log-uniform {a.min_len}-{a.max_len} "
           f"(seed {a.seed}); useful (non-padding) tokens/s, forward + backward", flush=True)
     t0 = time.perf_counter()
-    results = {(shape, precision): bench_shape(shape, precision, a, device)
-               for shape in a.shapes.split(",") for precision in a.precision.split(",")}
+    variants = [tuple(int(x) for x in v.split(":")) for v in a.steps.split(",")]
+    results = {(shape, precision, neg, ttt): bench_shape(shape, precision, neg, ttt, a, device)
+               for shape in a.shapes.split(",") for precision in a.precision.split(",") for neg, ttt in variants}
     print(f"\n{time.perf_counter() - t0:.0f} s. Useful tokens/s of a TTT step packed and padded; x: packed over padded "
           f"(goal >= 1.5 at the large batch); TTT/bare: TTT tokens/s over bare tokens/s (packed) times "
-          f"{a.ttt_steps}, i.e. against the 1/{a.ttt_steps} ideal (goal >= 0.9)")
+          f"the TTT steps, i.e. against the 1/TTT ideal (goal >= 0.9); head: exact, or --head-negatives")
     report(results, a)
 
 

@@ -410,6 +410,7 @@ def test_epochs_that_round_to_no_step_are_refused(base, fixture_target):
     (["--seed", str(2**63)], "'--seed': 9223372036854775808 is not in the range 0<=x<=4294967295"),
     (["--block-size", "4"], "--block-size: DFlash option(s), which an EAGLE-3 run would ignore"),
     (["--method", "dflash", "--init-draft", "drafts/base"], "--init-draft starts EAGLE-3 drafts only for now"),
+    (["--method", "dflash", "--head-negatives", "256"], "--head-negatives"),
 ])
 def test_options_a_run_would_ignore_or_run_out_of_memory_with_are_refused(base, fixture_target, extra, says):
     root, hidden = base

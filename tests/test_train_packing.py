@@ -115,6 +115,37 @@ def test_chunked_loss_equals_the_plain_one():
         assert (got.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
 
+def test_sampled_head_is_exact_on_all_columns_and_close_on_few():
+    """The sampled head (--head-negatives): with every column among the teacher's, the exact loss and gradients;
+    with a peaked teacher (its tail under 1%) over 2,000 columns and 256 drawn, dL/dh points where the exact one does, the loss
+    (averaged over draws) is near the exact one, and no weight row outside the drawn columns moves."""
+    from eyas_train.ttt import _sampled_loss_chunks, _vocab_loss_chunks
+
+    g = torch.Generator().manual_seed(0)
+    n, h, vd = 64, 16, 37
+    x, w = torch.randn(n, h, generator=g, dtype=torch.double), torch.randn(vd, h, generator=g, dtype=torch.double)
+    p = torch.softmax(3 * torch.randn(n, vd, generator=g, dtype=torch.double), -1)
+    rows, weight = torch.arange(n), torch.rand(n, generator=g, dtype=torch.double)
+    exact = _vocab_loss_chunks(x, w, p, rows, weight, 16, True)
+    every = _sampled_loss_chunks(x, w, p, rows, weight, 16, negatives=5, top=vd)
+    for got, want in zip(every, exact):
+        assert torch.allclose(got.double(), want.double(), rtol=1e-10, atol=1e-12)
+    vd = 2000
+    w = torch.randn(vd, h, generator=g, dtype=torch.double) / 2
+    logits = torch.randn(n, vd, generator=g, dtype=torch.double)
+    logits.scatter_add_(1, torch.randint(0, 50, (n, 3), generator=g), torch.full((n, 3), 12.0, dtype=torch.double))
+    p = torch.softmax(logits, -1)
+    ce, _, gh, _ = _vocab_loss_chunks(x, w, p, rows, weight, 16, True)
+    torch.manual_seed(0)
+    draws = [_sampled_loss_chunks(x, w, p, rows, weight, 16, negatives=256) for _ in range(20)]
+    mean_ce = torch.stack([d[0] for d in draws]).mean(0)
+    assert ((mean_ce - ce).abs() / ce.abs()).mean() < 0.1
+    cos = F.cosine_similarity(torch.stack([d[2] for d in draws]).mean(0).flatten(), gh.flatten(), dim=0)
+    assert cos > 0.95, cos
+    moved = (draws[0][3] != 0).any(-1).sum()
+    assert 256 <= moved <= 4 * (256 + 16 * 8), moved  # 4 chunks of 16 rows: their top 8 each and 256 drawn
+
+
 def test_no_draft_vocabulary_tensor_is_kept_for_backward():
     """What autograd saves for the backward pass of a whole TTT step: nothing as wide as the draft
     vocabulary but dL/dW itself ([Vd, H]), whatever the tokens; the plain loss kept [rows, Vd] per step."""

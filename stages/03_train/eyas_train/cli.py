@@ -29,6 +29,10 @@ def main() -> None:
 @click.option("--ttt-steps", type=click.IntRange(min=1, max=MAX_TTT_STEPS), default=D["ttt_steps"].default,
               help="Unrolled draft steps per position (training-time test); memory grows with it, since every "
                    f"step keeps its activations for the backward pass (at most {MAX_TTT_STEPS}).")
+@click.option("--head-negatives", type=click.IntRange(min=0), default=D["head_negatives"].default, show_default=True,
+              help="EAGLE-3 training steps: the lm_head's loss over each row's 8 likeliest teacher tokens plus this "
+                   "many drawn columns per chunk of rows, not the whole draft vocabulary; 0: exact. Validation "
+                   "stays exact.")
 @click.option("--step-decay", type=Finite(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
 @click.option("--epochs", type=Finite(min=0), default=None,
               help="Passes over the training samples (may be fractional); 0 exports the untrained draft. "
@@ -135,6 +139,9 @@ def run(**kw) -> None:
     if kw["init_draft"] and kw["method"] != "eagle3":
         raise click.UsageError(f"--init-draft starts EAGLE-3 drafts only for now, not --method {kw['method']}: drop "
                                f"--init-draft (or --method)")
+    if kw["head_negatives"] and kw["method"] != "eagle3":
+        raise click.UsageError(f"--head-negatives samples EAGLE-3's lm_head only, not --method {kw['method']}'s: "
+                               f"drop it (or --method)")
     dflash_only = [f"--{k.replace('_', '-')}" for k in ("block_size", "draft_layers", "gamma", "mask_token_id")
                    if kw[k] is not None]
     if dflash_only and kw["method"] != "dflash":

@@ -24,6 +24,7 @@ class TrainConfig:
     draft_vocab: int = 32000        # draft vocabulary: most frequent loss-masked tokens (capped at the target's)
     ttt_steps: int = 7              # unrolled draft steps per sample (training-time test)
     step_decay: float = 0.8         # loss weight of step k is step_decay**k
+    head_negatives: int = 0         # sampled head: columns drawn per chunk besides the teacher's top (ttt.py); 0: exact
     # None below: resolved from the data by recipe.py (the rule and its evidence: stages/03_train/README.md);
     # the resolved values are in the draft's manifest (params.recipe).
     epochs: float | None = None     # passes over the training samples; 0 exports the untrained draft

@@ -290,7 +290,8 @@ def _setup(cfg: TrainConfig, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dic
     if init is not None:
         load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
     teacher = Teacher(vocab, lm_head if shards.teacher == "final" else None, d.device)
-    module = parallel.wrap(UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay).to(d.device), d, cfg.parallel)
+    loss = UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay, negatives=cfg.head_negatives)
+    module = parallel.wrap(loss.to(d.device), d, cfg.parallel)
     opt, sched = optimiser(cfg, module, recipe)
     s = RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers, target, teacher,
                  module, opt, sched)

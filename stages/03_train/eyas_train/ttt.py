@@ -49,6 +49,14 @@ are all computed in the forward pass over chunks of rows, so at most one chunk's
 at a time and none is kept for the backward pass, which only scales the stored dL/dh and dL/dW by the
 incoming gradient (L is a scalar). The lm_head's FLOPs stay those of autograd (one product forward,
 two backward), with no recomputation.
+
+Sampled head (--head-negatives S > 0, training steps only). Per chunk of rows, the columns are T, the union of
+each row's TEACHER_TOP most likely teacher tokens, and S columns drawn uniformly from the other R = Vd - |T|,
+each standing for R / S of them: with z'_v = z_v, plus log(R / S) on a drawn column,
+    ce_i ~ m_i lse(z'_i) - <p_i|T, z_i>,   G_i = w_i (m_i softmax(z'_i) - p_i|T) on those columns only,
+the teacher's mass outside T dropped (m_i its mass on T). The products shrink from Vd to |T| + S columns
+(dL/dW touches only them); the training log's loss and top-1 hits are those of the columns drawn. Validation,
+the predicted acceptance and the manifest's stats always use the exact loss.
 """
 
 from __future__ import annotations
@@ -68,6 +76,8 @@ from eyas_train.model import Eagle3Draft, upcast
 # of 256; 512 and 1,024 rows gained 3-4% more there).
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 25}
 LOSS_CHUNK_ROWS = 256
+# Sampled head: per row, the teacher tokens always among the chunk's columns (the module doc).
+TEACHER_TOP = 8
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -220,16 +230,64 @@ def _vocab_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Te
     return ce, best, grad_h, None if grad_wt is None else grad_wt.t().contiguous()
 
 
+def _sampled_columns(p: torch.Tensor, negatives: int, top: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The chunk's columns (T first, then the drawn ones), their log weights, and |T| (the module doc)."""
+    vocab = p.shape[1]
+    kept = torch.zeros(vocab, dtype=torch.bool, device=p.device)
+    kept[p.topk(min(top, vocab), dim=-1).indices.flatten()] = True
+    teacher_cols, rest = kept.nonzero().squeeze(1), (~kept).nonzero().squeeze(1)
+    drawn = rest[torch.randperm(rest.numel(), device=p.device)[:negatives]]
+    log_w = torch.zeros(teacher_cols.numel() + drawn.numel(), dtype=p.dtype, device=p.device)
+    if drawn.numel():
+        log_w[teacher_cols.numel():] = math.log(rest.numel() / drawn.numel())
+    return torch.cat([teacher_cols, drawn]), log_w, teacher_cols.numel()
+
+
+def _sampled_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
+                         row_weight: torch.Tensor, chunk_rows: int, negatives: int, top: int = TEACHER_TOP):
+    """_vocab_loss_chunks' results, over the sampled head's columns (the module doc); always with gradients."""
+    n, real = h.shape[0], upcast(h).dtype
+    w = weight.to(h.dtype)
+    ce = row_weight.new_zeros(n)
+    best = torch.zeros(n, dtype=torch.long, device=h.device)
+    grad_h = torch.zeros_like(h, dtype=real)
+    grad_w = torch.zeros_like(weight, dtype=upcast(weight).dtype)
+    for lo in range(0, n, chunk_rows):
+        part = slice(lo, lo + chunk_rows)
+        hc, p = h[part], target_p[teacher_rows[part]]
+        cols, log_w, n_teacher = _sampled_columns(p, negatives, top)
+        wc = w[cols]                                           # [C, H]
+        z = torch.mm(hc, wc.t()).to(real)                      # the chunk's logits on its columns [rows, C]
+        best[part] = cols[z[:, :n_teacher].argmax(-1)]
+        z += log_w.to(real)
+        z -= z.max(-1, keepdim=True).values
+        pc = p[:, cols].to(real)
+        pc[:, n_teacher:] = 0                                  # the teacher on T only
+        m = pc.sum(-1)
+        e = z.exp()
+        total = e.sum(-1)
+        ce[part] = m * total.log() - (pc * z).sum(-1)
+        g = (e * (m / total)[:, None] - pc) * row_weight[part, None]  # G on the columns
+        gl = g.to(h.dtype)
+        grad_h[part] = gl @ wc
+        grad_w.index_add_(0, cols, (gl.t() @ hc).to(grad_w.dtype))
+    return ce, best, grad_h, grad_w
+
+
 class _DraftVocabLoss(torch.autograd.Function):
     """L = sum_i w_i ce_i over rows h [N, H] through lm_head `weight` [Vd, H], chunked (the math: module doc).
     Returns L, and per row ce [N] and the draft argmax [N] (no gradient)."""
 
     @staticmethod
     def forward(ctx, h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
-                row_weight: torch.Tensor, chunk_rows: int, want_grad: bool):
+                row_weight: torch.Tensor, chunk_rows: int, want_grad: bool, negatives: int):
         with torch.autocast(h.device.type, enabled=False):    # the dtypes are chosen in the loop
-            ce, best, grad_h, grad_w = _vocab_loss_chunks(h, weight, target_p, teacher_rows, row_weight, chunk_rows,
-                                                          want_grad)
+            if want_grad and negatives:
+                ce, best, grad_h, grad_w = _sampled_loss_chunks(h, weight, target_p, teacher_rows, row_weight,
+                                                                chunk_rows, negatives)
+            else:
+                ce, best, grad_h, grad_w = _vocab_loss_chunks(h, weight, target_p, teacher_rows, row_weight,
+                                                              chunk_rows, want_grad)
         ctx.save_for_backward(grad_h, grad_w)
         ctx.dtypes = (h.dtype, weight.dtype)
         ctx.mark_non_differentiable(ce, best)
@@ -240,31 +298,33 @@ class _DraftVocabLoss(torch.autograd.Function):
     def backward(ctx, grad_loss: torch.Tensor, _ce: torch.Tensor, _best: torch.Tensor):
         grad_h, grad_w = ctx.saved_tensors
         if grad_h is None:
-            return (None,) * 7
+            return (None,) * 8
         h_dtype, w_dtype = ctx.dtypes
-        return (grad_h.mul(grad_loss).to(h_dtype), grad_w.mul(grad_loss).to(w_dtype)) + (None,) * 5
+        return (grad_h.mul(grad_loss).to(h_dtype), grad_w.mul(grad_loss).to(w_dtype)) + (None,) * 6
 
 
 def draft_vocab_loss(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
-                     row_weight: torch.Tensor, chunk_rows: int | None = None,
+                     row_weight: torch.Tensor, chunk_rows: int | None = None, negatives: int = 0,
                      ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """sum_i row_weight[i] * H(target_p[teacher_rows[i]], softmax(weight @ h[i])) over the rows of h [N, H], with
     its gradients to h and weight, never holding more than `chunk_rows` rows of logits (default: about
-    LOSS_CHUNK_ELEMENTS of them, at least LOSS_CHUNK_ROWS rows).
+    LOSS_CHUNK_ELEMENTS of them, at least LOSS_CHUNK_ROWS rows); with `negatives`, the sampled head's estimate
+    when gradients are wanted (the module doc).
     Returns (loss, ce per row [N], draft argmax per row [N])."""
     budget = LOSS_CHUNK_ELEMENTS.get(h.device.type, LOSS_CHUNK_ELEMENTS["cpu"])
     chunk_rows = chunk_rows or max(LOSS_CHUNK_ROWS, budget // weight.shape[0])
     want_grad = torch.is_grad_enabled() and (h.requires_grad or weight.requires_grad)
-    return _DraftVocabLoss.apply(h, weight, target_p, teacher_rows, row_weight, chunk_rows, want_grad)
+    return _DraftVocabLoss.apply(h, weight, target_p, teacher_rows, row_weight, chunk_rows, want_grad, negatives)
 
 
 class UnrolledLoss(nn.Module):
     """The draft unrolled `steps` times over a batch of rows (packed or padded); what DDP/FSDP wrap
-    (one forward per step). `chunk_rows`: see draft_vocab_loss."""
+    (one forward per step). `chunk_rows`, `negatives`: see draft_vocab_loss."""
 
-    def __init__(self, draft: Eagle3Draft, steps: int, decay: float = 0.8, chunk_rows: int | None = None):
+    def __init__(self, draft: Eagle3Draft, steps: int, decay: float = 0.8, chunk_rows: int | None = None,
+                 negatives: int = 0):
         super().__init__()
-        self.draft, self.steps, self.decay, self.chunk_rows = draft, steps, decay, chunk_rows
+        self.draft, self.steps, self.decay, self.chunk_rows, self.negatives = draft, steps, decay, chunk_rows, negatives
 
     def forward(self, input_ids: torch.Tensor, aux: torch.Tensor, target_p: torch.Tensor, target_top: torch.Tensor,
                 loss_mask: torch.Tensor, denom: torch.Tensor, *, positions: torch.Tensor | None = None,
@@ -291,7 +351,7 @@ class UnrolledLoss(nn.Module):
         teacher = torch.cat([r + 1 + k for k, r in enumerate(rows)])
         weight = torch.cat([(self.decay**k / denom[k].to(real).clamp(min=1)).expand(n) for k, n in enumerate(sizes)])
         loss, ce, best = draft_vocab_loss(self.draft.norm(torch.cat(states)), self.draft.lm_head.weight,
-                                          target_p.flatten(0, 1), teacher, weight, self.chunk_rows)
+                                          target_p.flatten(0, 1), teacher, weight, self.chunk_rows, self.negatives)
         hits = self.draft.to_target_ids(best) == target_top.flatten()[teacher]
         stats = torch.stack([torch.stack([c.sum(), h.to(real).sum(), c.new_tensor(float(n), dtype=real)])
                              for c, h, n in zip(ce.to(real).split(sizes), hits.split(sizes), sizes)])
