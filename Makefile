@@ -480,7 +480,7 @@ bench-stream: install ## extract+train one after the other vs at once under a di
 	$(PY) bench/stream.py $(STREAM_ARGS)
 
 QUALITY_ARGS ?=
-bench-quality: install vllm ## draft acceptance in vLLM, defaults vs best hand recipe (hours on CPU;
+bench-quality: install vllm ## draft acceptance in vLLM per recipe: defaults, hand, fast (hours on CPU;
 ##   QUALITY_ARGS=--quick: one cell)
 	$(PY) bench/quality.py $(QUALITY_ARGS)
 

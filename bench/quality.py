@@ -1,9 +1,10 @@
-"""Draft quality with `eyas-train run`'s defaults against the best hand recipe, measured in real vLLM.
+"""Draft quality of training recipes (`eyas-train run`'s defaults, the best hand one, the cheap one), in real vLLM.
 
 For each tiny thinking target and data size:
   1. synth N answers of the target through vLLM (CPU) to training prompts (eyas-synth);
   2. extract its hidden states (eyas-extract, hf);
-  3. train one draft with the defaults (the recipe resolved from the data) and one with the hand recipe;
+  3. train one draft per recipe: `defaults` (resolved from the data), `hand` (the best found by hand), `fast`
+     (the sampled head at TTT depth K + 1: the cheaper step);
   4. serve target + draft in vLLM at 3 speculative tokens and run `eyas-serve bench` on held-out prompts
      (problems of the fixture's held-out split: neither training nor the rule ever saw them) at 1, 4 and
      16 requests in flight, against the target served alone: the acceptance length from vLLM's spec-decode
@@ -12,9 +13,8 @@ Targets: `llama` (fixture.py: Kimi-style template that opens `<think>` in the pr
 `qwen3` (fixture_qwen3.py: Qwen3 architecture that emits `<think>` itself, 10 layers, vocab 4000), and the
 real `smollm2` (SmolLM2-135M-Instruct from its PyPI wheel: 30 layers, vocab 49,152, no thinking), which
 answers real questions (realprompts.py: TruthfulQA, MMLU, HumanEval; held-out ones for the measurement).
-It prints one row per target x size x method: acceptance with the defaults and with the hand recipe, their
-ratio, the acceptance `eyas-train run` predicted from its validation slice against vLLM's, the speedups, and
-training times.
+It prints one row per target x size x method x recipe: vLLM's acceptance, the acceptance `eyas-train run`
+predicted from its validation slice, the speedups, and the training time.
 `--method eagle3,dflash` trains both draft methods on the same synth answers (each from its own extraction:
 DFlash reads five layers) and measures EAGLE-3 at 3 speculative tokens, DFlash at its block size - 1 (the K
 its blocks were trained for; vLLM runs K + 1 queries, so another K would show it blocks it never saw).
@@ -71,9 +71,14 @@ TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixt
 # (the table's "held-out coverage"; past the tokens seen, ties go to lower ids: BPE's earlier, commoner merges).
 HAND = {"fixture": dict(epochs=20, batch_size=4, lr=3e-3, draft_vocab=1024, val_samples=0),
         "real": dict(epochs=20, batch_size=4, lr=3e-3, val_samples=0)}
-RECIPES = ("defaults", "hand")
-# What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab).
-NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab",)}
+# The cheaper step (stages/03_train/README.md, "The sampled lm_head loss"): the sampled head, TTT depth K + 1, and
+# on a real target two passes of batch 4 (SmolLM2 x 2,000: about 1,000 steps, half an hour on 2 CPU cores).
+FAST = {"fixture": dict(head_negatives=256, ttt_steps=SPEC_TOKENS + 1),
+        "real": dict(head_negatives=256, ttt_steps=SPEC_TOKENS + 1, epochs=2, batch_size=4, val_samples=32)}
+RECIPES = {"defaults": {"fixture": {}, "real": {}}, "hand": HAND, "fast": FAST}
+# What a recipe drops for a method: DFlash drafts over the target's whole vocabulary (no --draft-vocab) and has
+# no unrolled steps or sampled head.
+NOT_FOR = {"eagle3": (), "dflash": ("draft_vocab", "head_negatives", "ttt_steps")}
 QUIET = dict(log_every=100, ckpt_every=100)  # a checkpoint every 100 steps: a real target trains for hours on a CPU
 # A shard is what an interrupted extraction keeps: 250 of SmolLM2's answers are about 2 min on 2 CPU cores (the
 # default 2 GiB holds its whole 2,000-sample cell: one shard, lost whole to a kill)
@@ -130,7 +135,7 @@ def hidden_name(target: str, n: int, method: str) -> str:
 
 def recipe_options(recipe: str, method: str, target: str) -> dict[str, Any]:
     """`eyas-train run` options of a recipe for a method and target (the method itself among them)."""
-    options = HAND[TARGETS[target][3]] if recipe == "hand" else {}
+    options = RECIPES[recipe][TARGETS[target][3]]
     return {k: v for k, v in options.items() if k not in NOT_FOR[method]} | {"method": method}
 
 
@@ -260,26 +265,20 @@ def measured_at(result: dict[str, Any]) -> list[int]:
 
 
 def table(rows: list[dict[str, list[dict[str, Any]]]]) -> str:
-    """One line per target x size x method; with several seeds a value is their mean, the range beside it."""
-    head = ("| target | samples | method (K) | defaults | best hand | ratio "
-            "| predicted (chain product) vs vLLM, defaults | speedup defaults / hand "
-            "| train s defaults / hand | held-out coverage defaults / hand | defaults resolved to (seed 0) |"
-            "\n|---|---|---|---|---|---|---|---|---|---|---|")
-    lines = [head]
+    """One line per target x size x method x recipe; with several seeds a value is their mean, the range beside it."""
+    lines = ["| target | samples | method (K) | recipe | vLLM acceptance | predicted (chain product) | speedup "
+             f"{' / '.join(map(str, SPEEDUP_AT))} | train s | held-out coverage | resolved (seed 0) |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        d, h = r.get("defaults") or [], r.get("hand") or []
-        ad, ah = _mean(x["vllm"]["acceptance_length"] for x in d), _mean(x["vllm"]["acceptance_length"] for x in h)
-        cell, res = (d or h)[0], d and d[0]["resolved"]
-        lines.append(
-            f"| {cell['target']} | {cell['samples']} | {cell.get('method', 'eagle3')} "
-            f"({cell.get('spec_tokens', SPEC_TOKENS)}) | {_spread(d)} | {_spread(h)} "
-            f"| {_f(ad / ah if ad and ah else None, 3)} "
-            f"| {_f(_mean(x['predicted'] for x in d))} ({_f(_mean(x.get('chain') for x in d))}) vs {_f(ad)} "
-            f"| {_speedups(d)} / {_speedups(h)} "
-            f"| {_f(_mean(x['train_s'] for x in d), 0)} / {_f(_mean(x['train_s'] for x in h), 0)} "
-            f"| {_f(_mean(x.get('heldout_coverage') for x in d), 3)} / "
-            f"{_f(_mean(x.get('heldout_coverage') for x in h), 3)} "
-            f"| {'batch %d, lr %.2g, %d steps' % (res['batch_size'], res['lr'], res['total_steps']) if res else '-'} |")
+        for recipe, cells in r.items():
+            cell, res = cells[0], cells[0]["resolved"]
+            lines.append(
+                f"| {cell['target']} | {cell['samples']} | {cell.get('method', 'eagle3')} "
+                f"({cell.get('spec_tokens', SPEC_TOKENS)}) | {recipe} | {_spread(cells)} "
+                f"| {_f(_mean(x['predicted'] for x in cells))} ({_f(_mean(x.get('chain') for x in cells))}) "
+                f"| {_speedups(cells)} | {_f(_mean(x['train_s'] for x in cells), 0)} "
+                f"| {_f(_mean(x.get('heldout_coverage') for x in cells), 3)} "
+                f"| batch {res['batch_size']}, lr {res['lr']:.2g}, {res['total_steps']} steps |")
     return "\n".join(lines)
 
 
@@ -314,7 +313,7 @@ def main() -> None:
     p.add_argument("--quick", action="store_true", help="one target, one size: llama x 250 (CI)")
     p.add_argument("--targets", default="llama,qwen3", help=f"comma-separated: {', '.join(TARGETS)}")
     p.add_argument("--sizes", default="250,1000,4000", help="comma-separated sample counts")
-    p.add_argument("--recipes", default="defaults,hand", help="comma-separated: defaults, hand")
+    p.add_argument("--recipes", default="defaults,hand", help=f"comma-separated: {', '.join(RECIPES)}")
     p.add_argument("--method", default="eagle3",
                    help=f"comma-separated draft methods, one row each: {', '.join(METHODS)} (default eagle3)")
     p.add_argument("--seeds", type=int, default=1,
@@ -362,7 +361,7 @@ def main() -> None:
         print("\n" + "\n".join(references))
     print(f"\nvLLM at K speculative tokens (EAGLE-3 {SPEC_TOKENS}, DFlash block size - 1), {HELDOUT} held-out "
           f"prompts, greedy; speedup: tokens/s of target + draft over the target alone at "
-          f"{' / '.join(map(str, SPEEDUP_AT))} in flight (eyas-serve bench); hand recipe: {HAND}; "
+          f"{' / '.join(map(str, SPEEDUP_AT))} in flight (eyas-serve bench); recipes: {RECIPES}; "
           f"{time.monotonic() - t0:.0f} s; data under {root}")
 
 

@@ -462,12 +462,18 @@ def test_bench_quality_runs_dflash_beside_eagle3():
     lines = table.splitlines()
     assert "| method (K) |" in lines[0] and "| eagle3 (3) |" in lines[2] and "| dflash (7) |" in lines[3], table
     # speedups at 1, 4 and 16 in flight where the cell measured them (cells cached before them show "-")
-    assert "| - / - |" in lines[2] and quality.SPEEDUP_AT == (1, 4, 16)
+    assert "| defaults | 3.50 | 3.40 (3.60) | - |" in lines[2] and quality.SPEEDUP_AT == (1, 4, 16)
     timed = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "4": 1.3, "16": 1.5}}]}]).splitlines()[2]
-    assert "| 1.20x 1.30x 1.50x / - |" in timed, timed
+    assert "| 1.20x 1.30x 1.50x |" in timed, timed
     older = quality.table([{"defaults": [cell | {"speedup": {"1": 1.2, "16": 1.5}}]}]).splitlines()[2]
-    assert "| 1.20x - 1.50x / - |" in older, older
+    assert "| 1.20x - 1.50x |" in older, older
+    # one line per recipe of a row, each named
+    both = quality.table([{"defaults": [cell], "fast": [cell | {"train_s": 40.0}]}]).splitlines()
+    assert "| defaults |" in both[2] and "| fast |" in both[3] and "| 40 |" in both[3], both
+    fast = quality.recipe_options("fast", "eagle3", "smollm2")
+    assert fast["head_negatives"] == 256 and fast["ttt_steps"] == quality.SPEC_TOKENS + 1
+    assert not {"head_negatives", "ttt_steps"} & set(quality.recipe_options("fast", "dflash", "smollm2"))
     # such a cell is measured again when the bench runs: its levels are not SPEEDUP_AT's
     assert quality.measured_at({"speedup": {"16": 1.5, "1": 1.2}}) == [1, 16] and quality.measured_at({}) == []
     covered = quality.table([{"defaults": [cell | {"heldout_coverage": 0.99}]}]).splitlines()
-    assert "held-out coverage" in covered[0] and "| 0.990 / - |" in covered[2], covered
+    assert "held-out coverage" in covered[0] and "| 0.990 |" in covered[2], covered

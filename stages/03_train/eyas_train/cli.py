@@ -9,7 +9,7 @@ import click
 
 from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.prompts import PROMPTS_HELP
-from eyas_train.config import MAX_TTT_STEPS, TrainConfig
+from eyas_train.config import MAX_TTT_STEPS, TEACHER_TOP, TrainConfig
 
 D = TrainConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
 
@@ -30,7 +30,7 @@ def main() -> None:
               help="Unrolled draft steps per position (training-time test); memory grows with it, since every "
                    f"step keeps its activations for the backward pass (at most {MAX_TTT_STEPS}).")
 @click.option("--head-negatives", type=click.IntRange(min=0), default=D["head_negatives"].default, show_default=True,
-              help="EAGLE-3 training steps: the lm_head's loss over each row's 8 likeliest teacher tokens plus this "
+              help=f"EAGLE-3 training steps: the lm_head's loss over each row's {TEACHER_TOP} likeliest teacher tokens plus this "
                    "many drawn columns per chunk of rows, not the whole draft vocabulary; 0: exact. Validation "
                    "stays exact.")
 @click.option("--step-decay", type=Finite(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")

@@ -15,6 +15,9 @@ MAY_CHANGE = ("ckpt_every", "keep_ckpts", "log_every", "patience", "trust_remote
 # count only runs out of memory (500 steps of two 141-token samples took 18 GB of host memory and were killed).
 MAX_TTT_STEPS = 32
 
+# The sampled head (ttt.py) always scores each row's TEACHER_TOP likeliest teacher tokens.
+TEACHER_TOP = 8
+
 
 @dataclass(frozen=True)
 class TrainConfig:

@@ -67,6 +67,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from eyas_train.config import TEACHER_TOP
 from eyas_train.model import Eagle3Draft, upcast
 
 # Elements of one chunk's [rows, Vd] logits in the draft-vocabulary loss, by device: on a CPU 8 MiB (fp32), which
@@ -76,8 +77,6 @@ from eyas_train.model import Eagle3Draft, upcast
 # of 256; 512 and 1,024 rows gained 3-4% more there).
 LOSS_CHUNK_ELEMENTS = {"cpu": 1 << 21, "cuda": 1 << 25}
 LOSS_CHUNK_ROWS = 256
-# Sampled head: per row, the teacher tokens always among the chunk's columns (the module doc).
-TEACHER_TOP = 8
 
 
 def _expand_kv(x: torch.Tensor, heads: int) -> torch.Tensor:
@@ -180,6 +179,18 @@ def step_counts(loss_mask: torch.Tensor, steps: int, segment: torch.Tensor | Non
     return torch.stack([ahead(loss_mask, 2 + k, segment).sum() for k in range(steps)]).float()
 
 
+def _shifted_ce(z: torch.Tensor, p: torch.Tensor, row_weight: torch.Tensor, scratch: torch.Tensor,
+                want_grad: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per row ce = m lse(z) - <p, z> (m = sum p) of logits z already shifted by their row max, and, when wanted,
+    G = w (m softmax(z) - p) written over z (z is consumed either way; `scratch` is z's shape)."""
+    m = p.sum(-1)
+    dot = torch.mul(p, z, out=scratch).sum(-1)                 # <p, z - max z>
+    e = z.exp_()                                               # exp(z - max z): cannot overflow
+    total = e.sum(-1)
+    ce = m * total.log() - dot                                 # = m lse(z) - <p, z>
+    return ce, e.mul_((m / total)[:, None]).sub_(p).mul_(row_weight[:, None]) if want_grad else None
+
+
 def _vocab_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Tensor, teacher_rows: torch.Tensor,
                        row_weight: torch.Tensor, chunk_rows: int, want_grad: bool):
     """The loop of _DraftVocabLoss.forward: (ce [N], best [N], dL/dh, dL/dW), the gradients None unless wanted.
@@ -212,14 +223,9 @@ def _vocab_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.Te
             z = torch.mm(hc, w.t(), out=z_buf[:r])             # the chunk's logits [rows, Vd]
         top, best[part] = z.max(-1)
         z.sub_(top[:, None])                                   # z - max z: exp cannot overflow
-        m = p.sum(-1)
-        dot = torch.mul(p, z, out=scratch[:r]).sum(-1)         # <p, z - max z>
-        e = z.exp_()                                           # exp(z - max z), over the logits
-        total = e.sum(-1)
-        ce[part] = m * total.log() - dot                       # = m lse(z) - <p, z>
+        ce[part], g = _shifted_ce(z, p, row_weight[part], scratch[:r], want_grad)
         if not want_grad:
             continue
-        g = e.mul_((m / total)[:, None]).sub_(p).mul_(row_weight[part, None])  # G = w (m softmax(z) - p)
         if low:
             g = low_buf[:r].copy_(g)
         grad_h[part] = g @ w                                   # W^T G
@@ -263,11 +269,7 @@ def _sampled_loss_chunks(h: torch.Tensor, weight: torch.Tensor, target_p: torch.
         z -= z.max(-1, keepdim=True).values
         pc = p[:, cols].to(real)
         pc[:, n_teacher:] = 0                                  # the teacher on T only
-        m = pc.sum(-1)
-        e = z.exp()
-        total = e.sum(-1)
-        ce[part] = m * total.log() - (pc * z).sum(-1)
-        g = (e * (m / total)[:, None] - pc) * row_weight[part, None]  # G on the columns
+        ce[part], g = _shifted_ce(z, pc, row_weight[part], torch.empty_like(z), True)  # G on the columns
         gl = g.to(h.dtype)
         grad_h[part] = gl @ wc
         grad_w.index_add_(0, cols, (gl.t() @ hc).to(grad_w.dtype))
