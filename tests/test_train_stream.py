@@ -378,7 +378,7 @@ def refused(proc: subprocess.Popen, log: Path) -> str:
 
 
 @pytest.mark.slow  # three extract and three training processes, one offline training
-def test_a_disk_budget_too_small_for_training_stops_it_in_one_line_and_the_fix_it_names_resumes_both(
+def test_disk_budget_too_small_for_training_stops_in_one_line_its_fix_resumes(
         data, fixture_target, monkeypatch, tmp_path, reap):
     """extract --follow waits for room under its budget that only train --consume frees, while train waits for
     extract's next shard: train says so in one line with the budget to give, first before its first window,
