@@ -71,7 +71,7 @@ TARGETS = {"llama": (build_fixture, ["--reasoning-parser", "kimi_k2"], [], "fixt
 # (the table's "held-out coverage"; past the tokens seen, ties go to lower ids: BPE's earlier, commoner merges).
 HAND = {"fixture": dict(epochs=20, batch_size=4, lr=3e-3, draft_vocab=1024, val_samples=0),
         "real": dict(epochs=20, batch_size=4, lr=3e-3, val_samples=0)}
-# The cheaper step (stages/03_train/README.md, "The sampled lm_head loss"): the sampled head, TTT depth K + 1, and
+# The cheaper step (bench/RESULTS.md, "The sampled lm_head loss"): the sampled head, TTT depth K + 1, and
 # on a real target two passes of batch 4 (SmolLM2 x 2,000: about 1,000 steps, half an hour on 2 CPU cores).
 FAST = {"fixture": dict(head_negatives=256, ttt_steps=SPEC_TOKENS + 1),
         "real": dict(head_negatives=256, ttt_steps=SPEC_TOKENS + 1, epochs=2, batch_size=4, val_samples=32)}
