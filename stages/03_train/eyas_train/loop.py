@@ -24,8 +24,7 @@ from eyas_train.state import RunState, say
 def train_loop(s: RunState) -> None:
     """The optimiser loop: log, validate (and stop early) and checkpoint on their schedules."""
     cfg, d, total = s.cfg, s.d, s.recipe.total_steps
-    slots, decay = s.method.slots, s.method.decay
-    window = torch.zeros(slots, 3, device=d.device)  # per step (DFlash: per slot): loss sum, hits, counted rows
+    window = torch.zeros(s.method.slots, 3, device=d.device)  # per step (DFlash: per slot): loss sum, hits, counted rows
     tokens, t_window = 0, time.monotonic()
     log = JsonlAppender(s.out.path / LOG_FILE, sync_every=1) if d.main else None
     heap = HeapTrimmer()
@@ -47,8 +46,7 @@ def train_loop(s: RunState) -> None:
             bar.update(1)
             s.step += 1
             if s.step % cfg.log_every == 0 or s.step == total:
-                s.last = _log_record(window, tokens, t_window, s.step, total, s.recipe.steps_per_epoch, s.sched, gnorm,
-                                     decay, d)
+                s.last = _log_record(s, window, tokens, t_window, gnorm)
                 _write_log(s, log, s.last, bar)
                 window.zero_()
                 tokens, t_window = 0, time.monotonic()
@@ -100,17 +98,17 @@ def _maybe_validate(s: RunState, log: JsonlAppender | None, bar: tqdm) -> bool:
     return False
 
 
-def _log_record(window: torch.Tensor, tokens: int, t0: float, step: int, total: int, per_epoch: int,
-                sched: Any, gnorm: torch.Tensor, decay: float, d: parallel.Dist) -> dict[str, Any]:
+def _log_record(s: RunState, window: torch.Tensor, tokens: int, t0: float, gnorm: torch.Tensor) -> dict[str, Any]:
     """The interval's record, summed over ranks: per-step mean loss and top-1 accuracy, and their
     weighted total (the training objective's value)."""
+    d, step, decay = s.d, s.step, s.method.decay
     w = parallel.all_sum(window.clone(), d).cpu()
     n_tok = int(parallel.all_sum(torch.tensor([tokens], device=d.device), d).item())
     counted = w[:, 2].clamp(min=1)
     step_loss, step_acc = (w[:, 0] / counted).tolist(), (w[:, 1] / counted).tolist()
     return {
-        "step": step, "epoch": round(step / per_epoch, 3), "total_steps": total,
-        "lr": sched.get_last_lr()[0],
+        "step": step, "epoch": round(step / s.recipe.steps_per_epoch, 3), "total_steps": s.recipe.total_steps,
+        "lr": s.sched.get_last_lr()[0],
         "loss": sum(decay**k * v for k, v in enumerate(step_loss)),
         "step_loss": [round(v, 5) for v in step_loss],
         "step_acc": [round(v, 5) for v in step_acc],
