@@ -408,9 +408,10 @@ def test_epochs_that_round_to_no_step_are_refused(base, fixture_target):
 @pytest.mark.parametrize("extra, says", [
     (["--ttt-steps", "33"], "'--ttt-steps': 33 is not in the range 1<=x<=32"),
     (["--seed", str(2**63)], "'--seed': 9223372036854775808 is not in the range 0<=x<=4294967295"),
-    (["--block-size", "4"], "--block-size: DFlash option(s), which an EAGLE-3 run would ignore"),
-    (["--method", "dflash", "--init-draft", "drafts/base"], "--init-draft starts EAGLE-3 drafts only for now"),
-    (["--method", "dflash", "--head-negatives", "256"], "--head-negatives"),
+    (["--block-size", "4"], "[METHOD_OPTION] --block-size"),
+    (["--method", "dflash", "--init-draft", "drafts/base"], "[METHOD_OPTION] --init-draft"),
+    (["--method", "dflash", "--head-negatives", "256"], "[METHOD_OPTION] --head-negatives"),
+    (["--method", "dflash", "--order", "shards"], "[METHOD_NO_STREAM] --method dflash"),
 ])
 def test_options_a_run_would_ignore_or_run_out_of_memory_with_are_refused(base, fixture_target, extra, says):
     root, hidden = base

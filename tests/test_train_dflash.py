@@ -21,8 +21,7 @@ from eyas_train.dflash import (BlockLoss, DFlashConfig, DFlashDraft, block_atten
 from eyas_train.dflash_export import (NOT_EXPORTED, exported_name, exported_tensors, hf_config, imported_state,
                                       write_dflash_draft)
 from eyas_common.checkpoint import read_text_config as text_config
-from eyas_train.dflash_train import pick_mask_token, usable_mask_rows
-from eyas_train.eval import propose_block
+from eyas_train.methods.dflash import DFlash, pick_mask_token, usable_mask_rows
 
 
 def tiny_config(**over) -> DFlashConfig:
@@ -229,10 +228,10 @@ def test_eval_proposes_what_the_trained_block_predicts():
     ids, aux, _ = sample()
     for p in (6, 11, 15):
         trained = draft.lm_head(draft(ids, aux, torch.tensor([[p]]))[0, 0, 1:]).argmax(-1).tolist()
-        assert propose_block(draft, ids[0, :p + 1], aux[0, :p], 3) == trained
+        assert DFlash.propose(draft, ids[0, :p + 1], aux[0, :p], 3) == trained
         short = draft(ids[:, :p + 1], torch.cat([aux[:, :p], aux[:, :1]], 1), torch.tensor([[p]]), block_size=3)
         shorter = draft.lm_head(short[0, 0, 1:]).argmax(-1).tolist()
-        assert propose_block(draft, ids[0, :p + 1], aux[0, :p], 2) == shorter
+        assert DFlash.propose(draft, ids[0, :p + 1], aux[0, :p], 2) == shorter
 
 
 # ------------------------------------------------------------------------------------------------
@@ -331,7 +330,7 @@ def dflash_hidden(fixture_target, tmp_path_factory):
 def test_run_method_dflash_trains_and_exports(dflash_hidden, fixture_target):
     from eyas_common.contract import Dataset
     from eyas_train.dflash_export import load_dflash_draft
-    from eyas_train.train import export_checkpoint
+    from eyas_train.export_ckpt import export_checkpoint
     from eyas_train.train import run as train
 
     root = dflash_hidden

@@ -22,7 +22,7 @@ from eyas_testing.fixture import write_prompts_jsonl
 from eyas_train.cli import main as train_cli
 from eyas_train.eval import evaluate
 from eyas_train.parallel import native_bf16_cpu
-from eyas_train.train import export_checkpoint
+from eyas_train.export_ckpt import export_checkpoint
 
 from eyas_testing.datasets import build_datasets
 from eyas_testing.servers import free_port

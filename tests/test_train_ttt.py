@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 from helpers import V, VD, tiny
-from eyas_train.eval import propose
+from eyas_train.methods.eagle3 import Eagle3
 from eyas_train.export import NAME_MAP, NOT_EXPORTED, exported_tensors, hf_config, imported_state, write_draft
 from eyas_train.ttt import ChainAttention, UnrolledLoss, shift, step_counts, ttt_attention
 from eyas_train.vocab import build_vocab, count_tokens
@@ -182,7 +182,7 @@ def test_eval_chain_equals_ttt_rows():
     ids = torch.randint(1, V, (n + 4,), generator=g)
     aux = torch.randn(n + 4, 48, generator=g, dtype=torch.double)
     for t in range(0, n - 1):
-        chain = propose(draft, ids[: t + 2], aux[: t + 1], 3)
+        chain = Eagle3.propose(draft, ids[: t + 2], aux[: t + 1], 3)
         # Rows past t hold the chain's proposals as tokens; TTT row t at step k must then propose chain[k].
         seq = torch.cat([ids[: t + 2], torch.tensor(chain[:2])])[None]
         attend, hidden = ChainAttention(), draft.fuse(aux[None, : seq.shape[1]])
@@ -273,7 +273,6 @@ def test_exported_draft_loads_back_identically(tmp_path):
     """export -> load_draft (the eval's path) reproduces the module, embedding from the target's files."""
     from safetensors.torch import save_file
 
-    from eyas_train.eval import propose
     from eyas_train.export import load_draft
 
     draft = tiny(seed=3).float()
@@ -288,4 +287,4 @@ def test_exported_draft_loads_back_identically(tmp_path):
         assert torch.equal(back.state_dict()[k], v), k
     g = torch.Generator().manual_seed(1)
     ids, aux = torch.randint(1, V, (9,), generator=g), torch.randn(8, 48, generator=g)
-    assert propose(back, ids, aux, 3) == propose(draft, ids, aux, 3)
+    assert Eagle3.propose(back, ids, aux, 3) == Eagle3.propose(draft, ids, aux, 3)

@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 
 from eyas_common.cli_errors import EyasGroup, Finite
+from eyas_common.methods import METHODS
 from eyas_common.prompts import PROMPTS_HELP
 from eyas_train.config import MAX_TTT_STEPS, TEACHER_TOP, TrainConfig
 
@@ -107,7 +108,7 @@ def main() -> None:
 @click.option("--init-vocab", type=click.Choice(["keep", "remap"]), default=D["init_vocab"].default,
               help="With --init-draft: keep its draft vocabulary, or remap to this data's most frequent tokens "
                    "(--draft-vocab of them; rows of tokens in both carried over).")
-@click.option("--method", type=click.Choice(["eagle3", "dflash"]), default=D["method"].default,
+@click.option("--method", type=click.Choice(list(METHODS)), default=D["method"].default,
               help="eagle3: one layer unrolled over its own outputs (--ttt-steps); dflash: a block-diffusion draft "
                    "filling --block-size - 1 masked slots in one pass (needs a hidden dataset extracted with "
                    "--method dflash, or any with layer ids >= 1).")
@@ -126,27 +127,17 @@ def main() -> None:
                    "[default: the tokenizer's mask token, else a special token no completion uses]")
 def run(**kw) -> None:
     """Train drafts/NAME on hidden/HIDDEN; an interrupted run resumes from its last checkpoint."""
+    from eyas_train.methods import unsupported
     from eyas_train.train import run as train_run
 
     if kw["follow"] and kw["order"] == "random":
         raise click.UsageError("--follow trains in shard order: drop --order random (or --follow)")
-    if (kw["follow"] or kw["order"] == "shards") and kw["method"] != "eagle3":
-        raise click.UsageError(f"--order shards and --follow train EAGLE-3 drafts only for now, not --method "
-                               f"{kw['method']}")
     if kw["consume"] and not (kw["follow"] or kw["order"] == "shards"):
         raise click.UsageError("--consume deletes shards after their last use in shard order: add --order shards "
                                "(or --follow)")
-    if kw["init_draft"] and kw["method"] != "eagle3":
-        raise click.UsageError(f"--init-draft starts EAGLE-3 drafts only for now, not --method {kw['method']}: drop "
-                               f"--init-draft (or --method)")
-    if kw["head_negatives"] and kw["method"] != "eagle3":
-        raise click.UsageError(f"--head-negatives samples EAGLE-3's lm_head only, not --method {kw['method']}'s: "
-                               f"drop it (or --method)")
-    dflash_only = [f"--{k.replace('_', '-')}" for k in ("block_size", "draft_layers", "gamma", "mask_token_id")
-                   if kw[k] is not None]
-    if dflash_only and kw["method"] != "dflash":
-        raise click.UsageError(f"{', '.join(dflash_only)}: DFlash option(s), which an EAGLE-3 run would ignore: add "
-                               f"--method dflash, or drop them")
+    refusal = unsupported(kw["method"], kw, TrainConfig.defaults())
+    if refusal:
+        raise click.UsageError(refusal.line)
     if kw["order"] is None:
         kw.pop("order")
     click.echo(train_run(**kw))
@@ -161,7 +152,7 @@ def run(**kw) -> None:
                    "[default: where it was at training time, from the draft's manifest]")
 def export(name: str, step: int | None, out: str | None, model: str | None) -> None:
     """Write config.json + model.safetensors of drafts/NAME from one of its checkpoints."""
-    from eyas_train.train import export_checkpoint
+    from eyas_train.export_ckpt import export_checkpoint
 
     click.echo(export_checkpoint(name, step=step, out=out, model=model))
 

@@ -74,7 +74,11 @@ class TrainConfig:
         return asdict(self)
 
     @classmethod
+    def defaults(cls) -> dict[str, Any]:
+        return {f.name: f.default for f in fields(cls) if f.default is not MISSING}
+
+    @classmethod
     def as_saved(cls, saved: dict[str, Any]) -> dict[str, Any]:
         """A config an earlier run saved (in a checkpoint), with the default of each field added since: what
         that run used."""
-        return {f.name: f.default for f in fields(cls) if f.default is not MISSING} | saved
+        return cls.defaults() | saved

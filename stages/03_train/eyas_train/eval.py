@@ -33,46 +33,8 @@ from eyas_common.checkpoint import read_checkpoint_size, read_text_config
 from eyas_common.contract import DatasetError, check_target, open_input, temp_path, write_json_atomic
 from eyas_common.prompts import load_prompts
 from eyas_common.drafts import check_folder, draft_method, served_spec_tokens
-from eyas_train.dflash import DFlashDraft
-from eyas_train.dflash_export import load_dflash_draft
-from eyas_train.export import load_draft
-from eyas_train.model import Eagle3Draft
-from eyas_train.ttt import ChainAttention
-
-
-@torch.no_grad()
-def propose(draft: Eagle3Draft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
-    """k chain proposals after `ids` [n] (target ids), given the target's aux states [n-1, 3H] of ids[:-1]."""
-    t = ids.numel() - 2  # the root: the last position whose target states are known
-    attend = ChainAttention()
-    positions = torch.arange(t + 1, device=ids.device)[None]
-    out = draft.step(ids[None, 1:], draft.fuse(aux[None]), positions, attend)[:, -1:]
-    token = draft.to_target_ids(draft.logits(out).argmax(-1))
-    chain = [int(token)]
-    for j in range(1, k):
-        out = draft.step(token, out, positions[:, -1:] + j, attend)
-        token = draft.to_target_ids(draft.logits(out).argmax(-1))
-        chain.append(int(token))
-    return chain
-
-
-@torch.no_grad()
-def propose_block(draft: DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
-    """k proposals from one DFlash pass, as vLLM's DFlash proposer makes them: x_p = ids[-1] (p = n - 1, the
-    target's bonus token) and k mask tokens at positions p .. p + k, seeing the context rows t < p (aux
-    [n-1, n H]) and each other; slot j proposes x_{p+j} (its own position)."""
-    p = ids.numel() - 1
-    context = torch.cat([aux, aux.new_zeros(1, aux.shape[-1])])  # row p: never visible to its own block
-    anchor = torch.tensor([[p]], device=ids.device)
-    states = draft(ids[None], context[None], anchor, block_size=k + 1)[0, 0, 1:]
-    return draft.lm_head(states).argmax(-1).tolist()
-
-
-def proposals(draft: Eagle3Draft | DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
-    """The k tokens the draft proposes after `ids`, by its method (chain or block)."""
-    if isinstance(draft, DFlashDraft):
-        return propose_block(draft, ids, aux, k)
-    return propose(draft, ids, aux, k)
+from eyas_train.methods import REGISTRY
+from eyas_train.methods.base import TrainMethod
 
 
 @torch.no_grad()
@@ -86,16 +48,17 @@ def _target(model: Any, ids: list[int], aux_ids: list[int], last: int,
     return out.logits[0].argmax(-1).tolist(), aux
 
 
-def speculate(model: Any, draft: Eagle3Draft | DFlashDraft, aux_ids: list[int], prompt: list[int], eot: int, k: int,
-              max_tokens: int) -> tuple[list[int], list[int]]:
-    """Generate one answer; returns its tokens and the accepted count of every draft."""
+def speculate(model: Any, draft: torch.nn.Module, method: type[TrainMethod], aux_ids: list[int], prompt: list[int],
+              eot: int, k: int, max_tokens: int) -> tuple[list[int], list[int]]:
+    """Generate one answer, `method` proposing from `draft`; returns its tokens and the accepted count of every
+    draft."""
     device = draft.fc.weight.device
     greedy, aux = _target(model, prompt, aux_ids, 1, device)
     ids = prompt + greedy
     accepted: list[int] = []
     while ids[-1] != eot and len(ids) - len(prompt) < max_tokens:
         n = len(ids)
-        drafts = proposals(draft, torch.tensor(ids, device=device), aux[: n - 1], k)
+        drafts = method.propose(draft, torch.tensor(ids, device=device), aux[: n - 1], k)
         # the target's choice after ids, then after each proposal
         verified, aux = _target(model, ids + drafts, aux_ids, k + 1, device)
         a = 0
@@ -199,7 +162,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
     method = draft_method(ds.path)
     spec_tokens = served_spec_tokens(ds.path) if spec_tokens is None else spec_tokens
-    module, aux_ids = (load_dflash_draft if method == "dflash" else load_draft)(ds.path, model)
+    module, aux_ids = REGISTRY[method].load(ds.path, model)
     module.to("cuda" if cuda else "cpu", getattr(torch, dtype))
     target = AutoModelForCausalLM.from_pretrained(str(model), dtype=getattr(torch, dtype),
                                                   device_map=device_map or ("auto" if cuda else None),
@@ -208,7 +171,7 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
     counts: list[int] = []
     generated = 0
     for prompt in tqdm(rendered, desc="eval", unit="prompt"):
-        tokens, accepted = speculate(target, module, aux_ids, prompt, eot, spec_tokens, max_tokens)
+        tokens, accepted = speculate(target, module, REGISTRY[method], aux_ids, prompt, eot, spec_tokens, max_tokens)
         counts += accepted
         generated += len(tokens)
     drafts, acc = len(counts), sum(counts)

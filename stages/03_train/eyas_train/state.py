@@ -1,23 +1,34 @@
 """A training run's state, shared by every draft method: what it trains on, the model and optimiser, and where
-it stands; the optimiser and schedule it starts from, and how a checkpoint is loaded into it."""
+it stands; the optimiser and schedule it starts from, how a checkpoint is loaded into it, and its progress lines."""
 
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from eyas_common.contract import Dataset
 from eyas_common.hidden import HiddenShards
 from eyas_train import parallel
 from eyas_train.config import TrainConfig
+from eyas_train.methods.base import TrainMethod
 from eyas_train.model import DraftConfig
 from eyas_train.recipe import Recipe, lr_lambda
 from eyas_train.stream import Consumption
-from eyas_train.target import Teacher
 from eyas_train.vocab import VocabMap
+
+
+def say(msg: str) -> None:
+    """A progress line on stderr that does not break the progress bar."""
+    tqdm.write(f"[eyas-train] {msg}", file=sys.stderr)
+
+
+def quiet(_: str) -> None:
+    pass
 
 
 @dataclass
@@ -36,16 +47,15 @@ class RunState:
     dcfg: DraftConfig
     aux_layers: list[int]
     target: dict[str, Any]
-    teacher: Teacher
     module: torch.nn.Module
     opt: torch.optim.Optimizer
     sched: Any
+    method: TrainMethod           # the draft method's hooks and own state (eyas_train.methods)
     start: int = 0                # the step this session starts at
     step: int = 0                 # optimiser steps done
     train_s: float = 0.0          # loop time summed over all sessions of the run
     best: dict[str, Any] = field(default_factory=lambda: {"step": None, "score": None, "stale": 0, "val": None})
     last: dict[str, Any] | None = None  # the newest training log record
-    method: Any = None            # another draft method's hooks (dflash_train.DFlashMethod); None: EAGLE-3
     consumption: Consumption | None = None  # --consume: the shards used for the last time (stream.py)
 
     @property

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from eyas_common.contract import Dataset, DatasetError
-from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, shard_name, size_text
+from eyas_common.hidden import HiddenShards, budget_wait, shard_bytes, size_text
 from eyas_common.lock import WRITER_GRACE_S, WriterWatch, describe
 
 WAIT_LOG_S = 30.0  # a "waiting for" line is printed at most this often

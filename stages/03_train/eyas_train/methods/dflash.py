@@ -1,7 +1,5 @@
-"""`eyas-train run --method dflash`: the DFlash draft trained by train.py's run (same data, recipe, loop,
-checkpoints, validation schedule and manifest); this module supplies what differs from EAGLE-3: the draft's
-shape and set-up, a step's forward (anchors drawn per sample, BlockLoss), the validation (per-slot accuracy
-and the replayed acceptance length) and the export.
+"""DFlash: a block-diffusion draft (dflash.py: the model, its attention and BlockLoss) filling block size - 1
+masked slots in one pass, over the target's whole vocabulary through the target's own lm_head.
 
 The knobs default from the target (dflash.py: block size, draft layers, gamma) and from the data (the mask
 token: one the completions never use, whose embedding row is a real one); the resolved values are in the
@@ -12,21 +10,19 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
 from eyas_common.chat import load_tokenizer
-from eyas_common.checkpoint import read_text_config
-from eyas_common.contract import REMAKE, Dataset, DatasetError
-from eyas_common.hidden import HiddenShards
+from eyas_common.contract import REMAKE, DatasetError
 from eyas_train import parallel
-from eyas_train.data import per_sample, prefetch, rank_share, refuse_no_targets, token_counts
+from eyas_train.data import per_sample, prefetch, rank_share, token_counts
 from eyas_train.dflash import (BlockLoss, DFlashConfig, DFlashDraft, default_block_size, default_draft_layers,
                                default_gamma, pad_anchors, sample_anchors, valid_anchors)
-from eyas_train.dflash_export import write_dflash_draft
-from eyas_train.recipe import predicted_acceptance, replay_acceptance, resolve, split_by_sample, val_count
-from eyas_train.state import RunState, optimiser, resumed
+from eyas_train.dflash_export import load_dflash_draft, write_dflash_draft
+from eyas_train.methods.base import Built, Inputs, validation_record
+from eyas_train.recipe import replay_acceptance
 from eyas_train.target import attention_shape, load_embedding, load_lm_head, load_weight
 from eyas_train.vocab import VocabMap
 
@@ -109,42 +105,6 @@ def new_dflash_draft(dcfg: DFlashConfig, model: str | Path, seed: int) -> DFlash
     return draft
 
 
-def setup_dflash(cfg: Any, d: parallel.Dist, hidden_ds: Dataset, hidden_m: dict[str, Any], out: Dataset,
-                 ckpt: dict[str, Any] | None) -> Any:
-    """train._setup for --method dflash: the RunState the shared loop runs (resumed from `ckpt`)."""
-
-    params = hidden_m["params"]
-    target = read_text_config(cfg.model)
-    hidden_size, aux_layers = int(params["hidden_size"]), list(params["layers"])
-    if min(aux_layers) < 1:
-        raise DatasetError(f"{hidden_ds.ref}: layer id 0 (the embedding) cannot feed a DFlash draft; rerun "
-                           f"{REMAKE['hidden']} with --method dflash")
-    shards = HiddenShards(hidden_ds, hidden_m)
-    lengths = [min(x.length, cfg.max_len) for x in shards.samples]
-    if ckpt is None:  # checked when the run began
-        refuse_no_targets(hidden_ds, shards, cfg.max_len)
-    try:
-        n_val = val_count(len(shards), cfg.val_samples, d.world)
-        train_idx, val_idx = split_by_sample([x.sample_id for x in shards.samples], n_val, cfg.seed)
-        recipe = resolve(cfg, lengths=[lengths[i] for i in train_idx], n_val=n_val, width=hidden_size, world=d.world)
-    except ValueError as e:
-        raise DatasetError(f"{hidden_ds.ref}: {e}") from None
-    counts = token_counts(shards, target["vocab_size"])
-    try:
-        mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts,
-                                             cfg.mask_token_id, load_embedding(cfg.model))
-    except ValueError as e:  # names --mask-token-id and the fix
-        raise DatasetError(str(e)) from None
-    dcfg = dflash_config(target, hidden_size, len(aux_layers), cfg, mask_id)
-    gamma = cfg.gamma or default_gamma(dcfg.block_size)
-    module = parallel.wrap(BlockLoss(new_dflash_draft(dcfg, cfg.model, cfg.seed), gamma).to(d.device), d, cfg.parallel)
-    opt, sched = optimiser(cfg, module, recipe)
-    vocab = VocabMap(torch.zeros(dcfg.vocab_size, dtype=torch.long), torch.ones(dcfg.vocab_size, dtype=torch.bool),
-                     1.0, int((counts > 0).sum()))  # DFlash drafts over the target's whole vocabulary
-    return resumed(RunState(cfg, d, out, shards, recipe, train_idx, val_idx, lengths, vocab, dcfg, aux_layers,
-                            target, None, module, opt, sched, method=DFlashMethod(gamma, mask_text)), ckpt)
-
-
 def _anchors(batch: dict[str, torch.Tensor], limit: int | None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every row's anchors: `limit` drawn per sample (training), or all valid ones (limit None)."""
     rows = []
@@ -153,21 +113,41 @@ def _anchors(batch: dict[str, torch.Tensor], limit: int | None) -> tuple[torch.T
     return pad_anchors(rows)
 
 
-class DFlashMethod:
-    """The hooks train.py's loop calls for a DFlash run (RunState.method)."""
+class DFlash:
+    name: ClassVar[str] = "dflash"
+    streams: ClassVar[bool] = False
+    own_options: ClassVar[tuple[str, ...]] = ("block_size", "draft_layers", "gamma", "mask_token_id")
 
-    def __init__(self, gamma: float, mask_token: str | None):
-        self.gamma, self.mask_token = gamma, mask_token
+    def __init__(self, gamma: float, mask_token: str | None, block_size: int):
+        self.gamma, self.mask_token, self.slots = gamma, mask_token, block_size - 1
         self.decay = math.exp(-1.0 / gamma)  # slot j's weight exp(-(j-1)/gamma) = decay**(j-1): the log's weighting
 
-    @staticmethod
-    def slots(s: Any) -> int:
-        return s.dcfg.block_size - 1
+    @classmethod
+    def build(cls, x: Inputs) -> Built:
+        cfg = x.cfg
+        if min(x.aux_layers) < 1:
+            raise DatasetError(f"{x.hidden_ds.ref}: layer id 0 (the embedding) cannot feed a DFlash draft; rerun "
+                               f"{REMAKE['hidden']} with --method dflash")
+        counts = token_counts(x.shards, x.target["vocab_size"])
+        try:
+            mask_id, mask_text = pick_mask_token(load_tokenizer(cfg.model, cfg.trust_remote_code), counts,
+                                                 cfg.mask_token_id, load_embedding(cfg.model))
+        except ValueError as e:  # names --mask-token-id and the fix
+            raise DatasetError(str(e)) from None
+        dcfg = dflash_config(x.target, x.hidden_size, len(x.aux_layers), cfg, mask_id)
+        gamma = cfg.gamma or default_gamma(dcfg.block_size)
+        module = BlockLoss(new_dflash_draft(dcfg, cfg.model, cfg.seed), gamma).to(x.d.device)
+        vocab = VocabMap(torch.zeros(dcfg.vocab_size, dtype=torch.long), torch.ones(dcfg.vocab_size, dtype=torch.bool),
+                         1.0, int((counts > 0).sum()))  # DFlash drafts over the target's whole vocabulary
+        return Built(parallel.wrap(module, x.d, cfg.parallel), vocab, dcfg, cls(gamma, mask_text, dcfg.block_size))
 
-    def forward(self, s: Any, batch: dict[str, torch.Tensor], anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def forward(self, s: Any, batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The block loss of this rank's share of a global batch and its per-slot stats [B-1, 3]."""
+        return self._blocks(s, batch)[:2]
+
+    def _blocks(self, s: Any, batch: dict[str, torch.Tensor], anchors: tuple[torch.Tensor, torch.Tensor] | None = None,
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The block loss of this rank's share of a global batch, its per-slot stats [B-1, 3] and per-anchor
-        leads [R, A]."""
+        """The block loss, per-slot stats [B-1, 3] and per-anchor leads [R, A] (anchors: drawn per sample)."""
         anchors, real = anchors or _anchors(batch, s.cfg.anchors)
         batch = {k: v.to(s.d.device, non_blocking=True) for k, v in batch.items()}
         anchors, real = anchors.to(s.d.device), real.to(s.d.device)
@@ -182,7 +162,7 @@ class DFlashMethod:
         """Per-slot loss and accuracy on the validation slice, and the acceptance length replayed from every
         anchor's lead for 1..B-1 draft tokens (exact for B-1: a block sees what vLLM's draft sees)."""
         s.module.eval()
-        slots, bs = self.slots(s), s.recipe.batch_size
+        slots, bs = self.slots, s.recipe.batch_size
         chunks = (s.val_idx[i:i + bs] for i in range(0, len(s.val_idx), bs))
         plan = (rank_share(c, s.lengths, s.d.rank, s.d.world) for c in chunks)
         window = torch.zeros(slots, 3, device=s.d.device)
@@ -190,32 +170,51 @@ class DFlashMethod:
         for batch in prefetch(s.shards, plan, s.cfg.max_len, s.cfg.batching == "packed"):
             window += self._replay_batch(s, batch, replay)
         s.module.train()
-        w, r = parallel.all_sum(window, s.d).cpu(), parallel.all_sum(replay, s.d).cpu()
-        counted = w[:, 2].clamp(min=1)
-        acc = (w[:, 1] / counted).tolist()
-        return {"step": s.step,
-                "val_loss": round(sum(self.decay**j * v for j, v in enumerate((w[:, 0] / counted).tolist())), 5),
-                "val_step_acc": [round(a, 5) for a in acc],
-                "val_predicted": [round(1 + float(a / max(1.0, float(n))), 4) for n, a in r.tolist()],
-                "val_chain_product": [round(predicted_acceptance(acc, k), 4) for k in range(1, slots + 1)]}
+        return validation_record(s.step, parallel.all_sum(window, s.d).cpu(), parallel.all_sum(replay, s.d).cpu(),
+                                 self.decay)
 
     def _replay_batch(self, s: Any, batch: dict[str, torch.Tensor], replay: torch.Tensor) -> torch.Tensor:
         """One validation batch: its per-slot stats, and its samples replayed into `replay` (added in place).
         Anchors go through in groups of --anchors per row, which bounds the block x context scores."""
         anchors, real = _anchors(batch, None)
         by_slot = torch.zeros(*batch["loss_mask"].shape, dtype=torch.long)  # lead of the anchor at each slot
-        stats = torch.zeros(self.slots(s), 3, device=s.d.device)
+        stats = torch.zeros(self.slots, 3, device=s.d.device)
         for lo in range(0, anchors.shape[1], s.cfg.anchors):
             a, m = anchors[:, lo:lo + s.cfg.anchors], real[:, lo:lo + s.cfg.anchors]
-            _, part, lead = self.forward(s, batch, (a, m))
+            _, part, lead = self._blocks(s, batch, (a, m))
             stats += part
             by_slot.scatter_(1, a, torch.where(m, lead.cpu(), by_slot.gather(1, a)))
         # replay_acceptance counts from EAGLE-style roots t = p - 1 (the last verified row before anchor p)
         root = torch.cat([by_slot[:, 1:], torch.zeros_like(by_slot[:, :1])], dim=1)
         for lead, mask in zip(per_sample(root, batch["spans"]), per_sample(batch["loss_mask"], batch["spans"])):
-            for k in range(self.slots(s)):
+            for k in range(self.slots):
                 replay[k] += torch.tensor(replay_acceptance(lead.tolist(), mask.tolist(), k + 1), device=replay.device)
         return stats
 
     def export(self, s: Any, state: dict[str, torch.Tensor]) -> None:
         write_dflash_draft(s.out.path, state, s.dcfg, s.aux_layers, s.target, self.mask_token)
+
+    @staticmethod
+    def reexport(folder: Path, state: dict[str, torch.Tensor], params: dict[str, Any],
+                 target: dict[str, Any]) -> None:
+        write_dflash_draft(folder, state, DFlashConfig(**params["draft"]), params["aux_layers"], target)
+
+    @staticmethod
+    def load(folder: Path, model: str | Path) -> tuple[torch.nn.Module, list[int]]:
+        return load_dflash_draft(folder, model)
+
+    @staticmethod
+    @torch.no_grad()
+    def propose(draft: DFlashDraft, ids: torch.Tensor, aux: torch.Tensor, k: int) -> list[int]:
+        """k proposals from one DFlash pass, as vLLM's DFlash proposer makes them: x_p = ids[-1] (p = n - 1, the
+        target's bonus token) and k mask tokens at positions p .. p + k, seeing the context rows t < p (aux
+        [n-1, n H]) and each other; slot j proposes x_{p+j} (its own position)."""
+        p = ids.numel() - 1
+        context = torch.cat([aux, aux.new_zeros(1, aux.shape[-1])])  # row p: never visible to its own block
+        anchor = torch.tensor([[p]], device=ids.device)
+        states = draft(ids[None], context[None], anchor, block_size=k + 1)[0, 0, 1:]
+        return draft.lm_head(states).argmax(-1).tolist()
+
+    @staticmethod
+    def reported_k(n_predicted: int) -> int:
+        return n_predicted  # block size - 1: the K a DFlash draft is served at
