@@ -5,7 +5,11 @@ a folder must be is one line."""
 from __future__ import annotations
 
 import importlib
+import os
+import signal
+import subprocess
 import sys
+import time
 import tomllib
 
 import click
@@ -64,3 +68,39 @@ def test_a_file_where_a_folder_must_be_is_one_line():
     r = CliRunner().invoke(raising(NotADirectoryError(errno.ENOTDIR, "Not a directory", "/srv/data/drafts")), ["go"])
     assert r.exit_code == 1 and r.output == ("Error: /srv/data/drafts: Not a directory; a file is where a folder must "
                                              "be: point EYAS_DATA (or the path) at a folder\n"), r.output
+
+
+SIGTERM_MID_GATHER = """
+import asyncio, sys
+from eyas_common.procs import run_interruptible, sigterm_as_interrupt
+
+async def busy():
+    while True:
+        sum(range(2000))  # the signal lands inside a task most of the time
+        await asyncio.sleep(0)
+
+async def many():
+    tasks = [asyncio.create_task(busy()) for _ in range(8)]
+    print("ready", flush=True)
+    await asyncio.gather(*tasks)
+
+with sigterm_as_interrupt():
+    try:
+        run_interruptible(many())
+    except KeyboardInterrupt:
+        print("interrupted", flush=True)
+        sys.exit(130)
+"""
+
+
+def test_sigterm_inside_a_loop_of_tasks_ends_as_one_interrupt_and_no_traceback():
+    """The bench's and synth's loops: a SIGTERM raised inside a task printed its traceback at shutdown."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO / "common"), os.environ.get("PYTHONPATH", "")])}
+    p = subprocess.Popen([sys.executable, "-c", SIGTERM_MID_GATHER], env=env, text=True,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert p.stdout.readline().strip() == "ready"
+    time.sleep(0.3)
+    p.send_signal(signal.SIGTERM)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 130 and out.strip() == "interrupted", (out, err)
+    assert "Traceback" not in err, err

@@ -8,14 +8,17 @@ prints how to resume, and exits with status 130.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import signal
-from collections.abc import Iterator
+import threading
+from collections.abc import Awaitable, Iterator
 from contextlib import contextmanager
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 from eyas_common.contract import DatasetError
 
+T = TypeVar("T")
 
 
 class Ranks(NamedTuple):
@@ -55,3 +58,35 @@ def sigterm_as_interrupt() -> Iterator[None]:
         yield
     finally:
         signal.signal(signal.SIGTERM, old)
+
+
+def run_interruptible(aw: Awaitable[T]) -> T:
+    """`asyncio.run(aw)` where SIGTERM cancels the main task inside the loop, as asyncio does for Ctrl-C;
+    both end here as KeyboardInterrupt once every task has been cancelled. (A KeyboardInterrupt raised by a
+    plain signal handler lands inside whichever task runs, and asyncio then prints that task's traceback.)"""
+    stopped = False
+    previous = signal.getsignal(signal.SIGTERM)
+
+    async def main() -> T:
+        task = asyncio.current_task()
+
+        def stop() -> None:
+            nonlocal stopped
+            stopped = True
+            task.cancel()
+
+        try:
+            asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stop)
+        except (ValueError, RuntimeError):  # not the main thread: signals cannot be handled here
+            pass
+        return await aw
+
+    try:
+        return asyncio.run(main())
+    except asyncio.CancelledError:
+        if stopped:
+            raise KeyboardInterrupt from None
+        raise
+    finally:
+        if previous is not None and threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, previous)  # the closed loop left SIGTERM at its default: kill

@@ -11,7 +11,6 @@ non-zero naming the failed ids or the first rejection, the dataset partial.
 from __future__ import annotations
 
 import asyncio
-import signal
 import sys
 import time
 from dataclasses import asdict, dataclass, field
@@ -27,7 +26,7 @@ from eyas_common.contract import (Dataset, DatasetError, JsonlAppender, finalize
                                   sha256_file)
 from eyas_common.launch import INTERRUPTED
 from eyas_common.lock import WriterLock
-from eyas_common.procs import sigterm_as_interrupt
+from eyas_common.procs import run_interruptible, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
                                  from_server_ids, new_sample, parse_budget, validate_sample)
@@ -485,20 +484,6 @@ def _say_silence(line: str) -> None:
     tqdm.write(f"[synth] {line}. Ctrl-C keeps every answer so far; rerunning the command resumes", file=sys.stderr)
 
 
-def _produce_until_stopped(st: RunState, bar: tqdm) -> None:
-    """Run `_produce`; SIGTERM stops it the way asyncio stops a Ctrl-C, by cancelling it inside the loop,
-    and both end here as KeyboardInterrupt. (A KeyboardInterrupt raised by a plain signal handler lands
-    inside whichever task is running, and asyncio then prints that task's traceback as never retrieved.)"""
-    async def main() -> None:
-        asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, asyncio.current_task().cancel)
-        await _produce(st, bar)
-
-    try:
-        asyncio.run(main())
-    except asyncio.CancelledError:
-        raise KeyboardInterrupt from None
-
-
 def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
     elapsed = max(bar.format_dict["elapsed"], 1e-6)
     return (f"{c.completion_tokens / elapsed:,.0f} tok/s, retries {pool.stats.get('retries', 0)}, "
@@ -589,7 +574,7 @@ def _run_and_finish(st: RunState, progress: bool) -> dict[str, Any]:
     try:
         with sigterm_as_interrupt():
             if st.todo:
-                _produce_until_stopped(st, bar)
+                run_interruptible(_produce(st, bar))
     except KeyboardInterrupt:
         bar.close()
         print(f"\n[synth] interrupted: {st.counts.samples} new samples are saved in {ds.path / SAMPLES}; "

@@ -8,7 +8,6 @@ An interrupted bench leaves bench/NAME partial (never `complete`): rerun it to m
 
 from __future__ import annotations
 
-import asyncio
 import time
 from pathlib import Path
 from typing import Any
@@ -19,7 +18,7 @@ import httpx
 from eyas_common.bench import PLOT, STAGE, check_start, start, write_results
 from eyas_common.contract import Dataset, sha256_file
 from eyas_common.lock import WriterLock
-from eyas_common.procs import sigterm_as_interrupt
+from eyas_common.procs import run_interruptible, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_serve.config import BenchConfig
 from eyas_serve.load import replay, served_model
@@ -74,9 +73,9 @@ def _run_level(server: Server, baseline: Server | None, prompts: list, c: int, c
                ) -> tuple[dict[str, Any], Any]:
     kw = dict(concurrency=c, max_tokens=cfg.max_tokens, temperature=cfg.temperature, timeout_s=cfg.timeout_s)
     before = server.counters()
-    draft = asyncio.run(replay(server.url, server.model, prompts, label=f"draft    c={c}", **kw))
+    draft = run_interruptible(replay(server.url, server.model, prompts, label=f"draft    c={c}", **kw))
     after = server.counters()
-    base = asyncio.run(replay(baseline.url, baseline.model, prompts, label=f"baseline c={c}", **kw)) \
+    base = run_interruptible(replay(baseline.url, baseline.model, prompts, label=f"baseline c={c}", **kw)) \
         if baseline else None
     spec = _spec_block(before, after)
     speedup = draft["tokens_per_s"] / base["tokens_per_s"] if base and base["tokens_per_s"] else None
@@ -99,7 +98,7 @@ def check_answered(level: dict[str, Any], server: Server, baseline: Server | Non
 
 def _warm(server: Server, prompts: list, cfg: BenchConfig) -> None:
     if cfg.warmup:
-        asyncio.run(replay(server.url, server.model, prompts[:cfg.warmup], concurrency=cfg.warmup,
+        run_interruptible(replay(server.url, server.model, prompts[:cfg.warmup], concurrency=cfg.warmup,
                            max_tokens=min(cfg.max_tokens, 32), temperature=cfg.temperature,
                            timeout_s=cfg.timeout_s, label="warm-up"))
 
