@@ -44,7 +44,7 @@ import torch
 from eyas_common.bench import read_results
 from eyas_common.contract import MANIFEST, Dataset, write_json_atomic
 from eyas_common.drafts import WEIGHTS_FILE, served_spec_tokens
-from eyas_common.methods import METHODS
+from eyas_common.methods import DEFAULT_METHOD, METHODS
 from eyas_common.procs import sigterm_as_interrupt
 from eyas_common.samples import SAMPLES, index_samples, read_tokens
 from eyas_testing.fixture import build_fixture, write_prompts_jsonl
@@ -122,15 +122,19 @@ def _complete(root: Path, name: str, kind: str) -> bool:
     return ds.exists() and ds.read_manifest().get("status") == "complete"
 
 
-def draft_name(target: str, n: int, recipe: str, seed: int, method: str = "eagle3") -> str:
+def draft_name(target: str, n: int, recipe: str, seed: int, method: str = DEFAULT_METHOD) -> str:
     """`T_N_RECIPE`, `_dflash` after it for a DFlash draft, and `-seedS` for seeds other than 0 (so EAGLE-3's
     seed 0 keeps its cached results)."""
-    return f"{target}_{n}_{recipe}" + ("" if method == "eagle3" else f"_{method}") + (f"-seed{seed}" if seed else "")
+    return f"{target}_{n}_{recipe}" + _method_suffix(method) + (f"-seed{seed}" if seed else "")
 
 
 def hidden_name(target: str, n: int, method: str) -> str:
     """The hidden dataset a method trains on: `T_N` (EAGLE-3's three layers), `T_N_dflash` (DFlash's five)."""
-    return f"{target}_{n}" + ("" if method == "eagle3" else f"_{method}")
+    return f"{target}_{n}" + _method_suffix(method)
+
+
+def _method_suffix(method: str) -> str:
+    return "" if method == DEFAULT_METHOD else f"_{method}"
 
 
 def recipe_options(recipe: str, method: str, target: str) -> dict[str, Any]:

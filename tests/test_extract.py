@@ -22,6 +22,7 @@ from safetensors.torch import load_file
 
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, verify
+from helpers import refuses
 from eyas_extract.batching import make_batches, plan_shards
 from eyas_extract.capture import encode, find_parts
 from eyas_extract.config import ExtractConfig
@@ -266,7 +267,7 @@ def test_sigkill_and_resume_equal_uninterrupted(root, baseline, fixture_target):
     done = len(list(out.glob("shard-*.safetensors")))
     assert 0 < done < 12, f"the kill should land mid-run ({done} of 12 shards)"
     assert json.loads((out / "manifest.json").read_text())["status"] == "partial"
-    with pytest.raises(DatasetError, match="partial"):
+    with refuses("PARTIAL", "hidden/killed"):
         open_hidden("hidden/killed", data_root=root)
     proc = cli(root, *args)
     log = proc.communicate(timeout=300)[0]
@@ -378,24 +379,23 @@ def test_refusals(root, fixture_target, monkeypatch):
     part = copy_synth(root, "partial")
     m = json.loads((part / "manifest.json").read_text())
     (part / "manifest.json").write_text(json.dumps(m | {"status": "partial"}))
-    with pytest.raises(DatasetError, match=r"synth/partial: status is 'partial'.*rerun eyas-synth run"):
+    with refuses("PARTIAL", "synth/partial"):
         extract(synth="synth/partial", name="x", **go)
     bad = copy_synth(root, "corrupt")
     lines = (bad / "samples.jsonl").read_bytes()
     (bad / "samples.jsonl").write_bytes(lines.replace(b'"stop"', b'"stoq"', 1))  # same size, other bytes
-    with pytest.raises(DatasetError, match=r"synth/corrupt: samples.jsonl: sha256 differs.*changed after it was "
-                                           r"finished; restore them, or remake"):
+    with refuses("FILES_CHANGED", "synth/corrupt: samples.jsonl: sha256"):
         extract(synth="synth/corrupt", name="x", **go)
     (bad / "samples.jsonl").write_bytes(lines[: len(lines) // 2])
-    with pytest.raises(DatasetError, match=r"synth/corrupt: samples.jsonl: \d+ bytes, manifest says"):
+    with refuses("FILES_CHANGED", "synth/corrupt: samples.jsonl"):
         extract(synth="synth/corrupt", name="x", **go)
     other = copy_synth(root, "schema")
     (other / "manifest.json").write_text(json.dumps(m | {"schema": "eyas.synth/2"}))
-    with pytest.raises(DatasetError, match=r"schema 'eyas.synth/2'.*this eyas reads eyas.synth/1"):
+    with refuses("SCHEMA_VERSION", "eyas.synth/2"):
         extract(synth="synth/schema", name="x", **go)
     tok = copy_synth(root, "othertok")
     (tok / "manifest.json").write_text(json.dumps(m | {"target": m["target"] | {"chat_template_sha256": "0" * 64}}))
-    with pytest.raises(DatasetError, match=r"chat template .* does not match.*Load the dataset's target with --model"):
+    with refuses("TARGET_MISMATCH", "synth/othertok"):
         extract(synth="synth/othertok", name="x", **go)
     with pytest.raises(DatasetError, match=r"--layers \[2, 8\]: need distinct ids in \[0, 8\)"):
         extract(synth=SYNTH, name="x", layers=[2, 8], **go)
@@ -412,7 +412,7 @@ def test_refusals(root, fixture_target, monkeypatch):
     monkeypatch.undo()
     # A resume must use the options the dataset was started with.
     extract(synth=SYNTH, name="fixed", shard="0/4", **SMALL | go)
-    with pytest.raises(DatasetError, match=r"made with batch_tokens=160 \(now 999\)"):
+    with refuses("PARAMS_CHANGED", "batch_tokens=160 (now 999)"):
         extract(synth=SYNTH, name="fixed", shard="1/4", **SMALL | go | {"batch_tokens": 999})
 
 
@@ -524,7 +524,7 @@ def test_finalize_refuses_or_leaves_alone(root, baseline, tmp_path):
     from eyas_extract.run import finalize_dataset
 
     # A data root with no hidden/ yet: one line, and no mutex file made for a dataset that is not there.
-    with pytest.raises(DatasetError, match=r"hidden/nothing: no manifest.json at .*make it with eyas-extract run"):
+    with refuses("NO_MANIFEST", "hidden/nothing"):
         finalize_dataset("nothing", data_root=tmp_path)
     assert not (tmp_path / "hidden").exists()
     # A complete dataset's files and stats are its record: finalizing it again rewrites nothing (it hashed what

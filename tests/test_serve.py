@@ -20,7 +20,7 @@ from eyas_common.bench import PLOT, RESULTS, read_results, start, validate_resul
 from eyas_common.chat import load_tokenizer, target_fingerprint
 from eyas_common.contract import Dataset, DatasetError, finalize, new_manifest, write_json_atomic
 from eyas_common.lock import remove
-from helpers import assert_refused
+from helpers import assert_refused, refuses
 from eyas_testing.servers import default_vllm_python
 from eyas_serve.config import LaunchConfig
 from eyas_serve.engines import engine_command
@@ -184,7 +184,7 @@ def test_bench_dataset_round_trip_and_refusals(tmp_path, fixture_target):
     _draft_dataset(tmp_path, fixture_target)
     out, m = start("b", draft="drafts/d", params={"x": 1}, root=tmp_path)
     assert m["status"] == "partial" and [i["ref"] for i in m["inputs"]] == ["drafts/d", "hidden/h", "synth/s"]
-    with pytest.raises(DatasetError, match="status is 'partial'"):
+    with refuses("PARTIAL", "bench/b"):
         read_results("bench/b", root=tmp_path)
     results = {"engine": "vllm", "server": "http://a", "baseline": "http://b", "prompts": "p.jsonl",
                "levels": [_level(1, 100.0), _level(4, 300.0)], "spec": _level(1, 1)["spec"], "spec_tokens": 3}
@@ -245,9 +245,9 @@ def _damage(out: Dataset, damage: str) -> None:
 
 
 @pytest.mark.parametrize("damage, says", [
-    ("missing", r"bench/b: results\.json: missing: its files changed after it was finished; restore them, or "),
-    ("truncated", r"bench/b: results\.json: 100 bytes, manifest says \d+: its files changed"),
-    ("edited", r"bench/b: results\.json: sha256 differs from the manifest: its files changed"),
+    ("missing", r"bench/b: results\.json: missing: changed after it was finished; restore it, or "),
+    ("truncated", r"bench/b: results\.json: 100 bytes, manifest says \d+: changed after"),
+    ("edited", r"bench/b: results\.json: sha256 differs from the manifest: changed after"),
     ("wrong type", r"results\.json: levels\[0\]\.draft\.tokens_per_s is 'fast', not a number"),
 ])
 def test_report_refuses_damaged_results_in_one_line_with_the_fix_that_works(damage, says, tmp_path):
@@ -260,7 +260,7 @@ def test_report_refuses_damaged_results_in_one_line_with_the_fix_that_works(dama
         r = serve_cli(tmp_path, "report", "b", *args)
         assert r.returncode == 1 and not r.stdout and "Traceback" not in r.stderr, r.stdout + r.stderr
         assert len(r.stderr.strip().splitlines()) == 1 and re.search(says + ".*" + re.escape(fix), r.stderr), r.stderr
-    with pytest.raises(DatasetError, match="already complete"):  # why a rerun alone is not the fix
+    with refuses("ALREADY_COMPLETE", "bench/b"):  # why a rerun alone is not the fix
         start("b", draft=None, params={}, root=tmp_path)
     remove(out)
     assert start("b", draft=None, params={}, root=tmp_path)[1]["status"] == "partial"
@@ -323,7 +323,8 @@ def test_a_draft_for_another_target_is_refused_before_anything_starts(change, tm
         assert f"drafts/d was trained for another target ({fixture_target}): this one's config.json has " \
             "hidden_size 256 (the draft's: 128)" in msg, msg
     else:
-        assert "tokenizer loaded from" in msg and str(other) in msg and str(fixture_target) in msg, msg
+        assert_refused(msg, "TARGET_MISMATCH", str(other))
+        assert fixture_target.name in msg, msg
     assert not log.exists()
     if change == "tokenizer":
         return

@@ -36,7 +36,7 @@ from eyas_extract.run import run as extract
 from eyas_testing.datasets import make_synth
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.stub import start_stub
-from helpers import rendering_answer
+from helpers import refuses, rendering_answer
 
 N = 12
 SMALL = {"shard_samples": 3, "batch_tokens": 160}
@@ -144,7 +144,7 @@ def test_tail_reads_complete_lines_only(tmp_path):
     assert [(n, pos, r) for n, pos, r in tail.read_new()] == [(2, 9, {"id": 2}), (4, 19, {"id": 3})]
     with open(path, "ab") as f:
         f.write(b'{"id":\n')
-    with pytest.raises(DatasetError, match=r"x.jsonl:5: malformed JSON record"):
+    with refuses("MALFORMED_JSONL", "x.jsonl:5"):
         tail.read_new()
     path.write_bytes(b"")
     with pytest.raises(DatasetError, match="shrank below"):
@@ -191,7 +191,7 @@ def test_synth_tail_decides_kept_set_aside_and_rejected_ids(root, fixture_target
     tail.poll()
     assert [r.id for r in tail.take_ready()] == [2] and tail.prefix == 5  # 3 rejected, 4 set aside
     live.keep(7, 2)
-    with pytest.raises(DatasetError, match=r"samples.jsonl:5: sample id 2 appears twice"):
+    with refuses("BAD_SAMPLE", "samples.jsonl:5"):
         tail.poll()
     live.lock.release()
     assert holder(live.ds) is None
@@ -347,7 +347,7 @@ def test_refusals(root, fixture_target, answers, monkeypatch):
     live = LiveSynth(root, fixture_target, "growing", answers)
     live.keep(0, 1)
     try:  # without --follow a partial input is refused as before
-        with pytest.raises(DatasetError, match=r"synth/growing: status is 'partial', not 'complete'.*rerun eyas-synth"):
+        with refuses("PARTIAL", "synth/growing"):
             extract(synth="synth/growing", name="x", **go)
     finally:
         live.lock.release()

@@ -22,7 +22,7 @@ from eyas_common.prompts import load_prompts
 from eyas_synth.run import run as synth
 from eyas_testing.fixture import write_prompts_jsonl
 from eyas_testing.stub import Faults, start_stub
-from helpers import assert_refused, rendering_answer
+from helpers import assert_refused, refuses, rendering_answer
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -169,7 +169,7 @@ def test_validate_refuses_what_the_next_stage_refuses_in_its_words(tok, fixture_
     def consumer_refusal(name: str) -> str:  # the contract checks eyas-extract runs on its input
         with pytest.raises(DatasetError) as refused:
             check_intact(*open_input(name, "synth", root=tmp_path))
-        return refused.value.message
+        return refused.value.line
 
     def manifest_edit(name: str, **change) -> None:
         path = tmp_path / "synth" / name / "manifest.json"
@@ -197,7 +197,7 @@ def test_validate_refuses_what_the_next_stage_refuses_in_its_words(tok, fixture_
 
 
 def test_a_malformed_line_names_what_to_do(tok, fixture_target, tmp_path, monkeypatch):
-    """`samples.jsonl:2: malformed JSON record (...)` said nothing more, in validate and on a rerun of synth."""
+    """`samples.jsonl:2: malformed JSON (...)` said nothing more, in validate and on a rerun of synth."""
     from eyas_common.contract import finalize
 
     prompts = write_prompts_jsonl(tmp_path / "prompts.jsonl", 6, seed=3)
@@ -209,18 +209,16 @@ def test_a_malformed_line_names_what_to_do(tok, fixture_target, tmp_path, monkey
         synth(n=6, **kw)
         lines = path.read_bytes().splitlines(keepends=True)
         path.write_bytes(lines[0] + lines[1][:40] + b"\n" + b"".join(lines[2:]))  # line 2 cut by hand
-        finished = r"samples\.jsonl:2: malformed JSON record .*; synth/torn was edited after it was finished; " \
+        finished = r"samples\.jsonl:2: malformed JSON .*; edited once finished; " \
                    r"remake it: `eyas-data rm synth/torn --yes`, then rerun eyas-synth run"
-        with pytest.raises(DatasetError, match=finished):
+        with refuses("MALFORMED_JSONL", "samples.jsonl:2"):
             synth(n=7, **kw)  # extending a complete dataset
         finalize(ds, ds.read_manifest(), stats={})  # its manifest agrees with the files: validate reads the line
         monkeypatch.setenv("EYAS_DATA", str(tmp_path))
         r = CliRunner().invoke(synth_cli, ["validate", "torn"])
         assert r.exit_code == 1 and r.output.count("\n") == 1 and re.search(finished, r.output), r.output
         ds.write_manifest(ds.read_manifest() | {"status": "partial"})
-        with pytest.raises(DatasetError, match=r"samples\.jsonl:2: malformed JSON record .*: this one was written by "
-                                               r"something else\. Delete that line \(its sample is asked for again\) "
-                                               r"and rerun, or remake it: `eyas-data rm synth/torn --yes`"):
+        with refuses("MALFORMED_JSONL", "samples.jsonl:2"):
             synth(n=6, **kw)
         path.write_bytes(lines[0] + b"".join(lines[2:]))  # as the refusal says
         assert synth(n=6, **kw)["samples"] == 6
@@ -335,7 +333,7 @@ def test_resume_refuses_changed_params_and_drops_truncated_on_request(tok, fixtu
         assert stats["truncated_dropped"] == 2 and stats["samples"] == 12  # seeds 3 and 10 are cut (mod 7)
         ds = Dataset.parse("dropping", "synth", tmp_path)
         assert sum(1 for _ in iter_jsonl(ds.path / "truncated.jsonl")) == 2
-        with pytest.raises(DatasetError, match=r"synth/dropping was made with temperature=0\.6 \(now 0\.9\)"):
+        with refuses("PARAMS_CHANGED", "temperature=0.6 (now 0.9)"):
             synth(name="dropping", n=14, drop_truncated=True, temperature=0.9, **kw)
         # growing n resumes: only the new ids are asked for
         before = stub.counts()["ok"]

@@ -72,7 +72,7 @@ def data_root() -> Path:
     value = os.environ.get("EYAS_DATA", "data")
     if not value.strip():
         raise DatasetError("EYAS_DATA is set but empty: set it to the data root folder (e.g. /data), or unset it "
-                           "for ./data")
+                           "for ./data", code="EYAS_DATA_EMPTY", names="EYAS_DATA")
     return Path(value).absolute()
 
 
@@ -97,14 +97,14 @@ class Dataset:
         if len(parts) == 1 and kind is not None:
             parts = [kind, parts[0]]
         if len(parts) != 2 or not all(parts) or any(p in (".", "..") for p in parts):
-            raise DatasetError(f"bad dataset reference {ref!r}: expected KIND/NAME, e.g. synth/synth_10k")
+            raise DatasetError(f"bad dataset reference {ref!r}: expected KIND/NAME, e.g. synth/synth_10k", code="BAD_REF", names=ref)
         if parts[0] not in SCHEMAS:
-            raise DatasetError(f"unknown dataset kind {parts[0]!r} in {ref!r}; known: {', '.join(SCHEMAS)}")
+            raise DatasetError(f"unknown dataset kind {parts[0]!r} in {ref!r}; known: {', '.join(SCHEMAS)}", code="UNKNOWN_KIND", names=parts[0])
         if not NAME_PATTERN.fullmatch(parts[1]):
             raise DatasetError(f"bad dataset name {parts[1]!r}: use letters, digits and . _ + - (starting with a letter "
-                               f"or digit), e.g. synth_10k: a name is a folder, a make NAME= and a shell word")
+                               f"or digit), e.g. synth_10k: a name is a folder, a make NAME= and a shell word", code="BAD_NAME", names=parts[1])
         if kind is not None and parts[0] != kind:
-            raise DatasetError(f"{ref!r} is a {parts[0]} dataset, but a {kind} dataset is needed here")
+            raise DatasetError(f"{ref!r} is a {parts[0]} dataset, but a {kind} dataset is needed here", code="WRONG_KIND", names=ref)
         return cls(root.absolute(), parts[0], parts[1])
 
     @classmethod
@@ -112,11 +112,11 @@ class Dataset:
         path, root = Path(os.path.abspath(Path(ref).expanduser())), root.absolute()
         if len(path.parts) < 3 or path.parent.name not in SCHEMAS:
             raise DatasetError(f"{ref!r} is a path, not a dataset reference: name a dataset KIND/NAME under the data "
-                               f"root (EYAS_DATA={root}), e.g. {kind or 'synth'}/NAME")
+                               f"root (EYAS_DATA={root}), e.g. {kind or 'synth'}/NAME", code="REF_IS_PATH", names=ref)
         short = f"{path.parent.name}/{path.name}"
         if path.parent.parent.resolve() != root.resolve():
             raise DatasetError(f"{ref!r} is not under the data root (EYAS_DATA={root}): set EYAS_DATA="
-                               f"{path.parent.parent} and name it {short}")
+                               f"{path.parent.parent} and name it {short}", code="OUTSIDE_DATA_ROOT", names=ref)
         return cls.parse(short, kind, root)
 
     @property
@@ -151,20 +151,20 @@ class Dataset:
         try:
             manifest = json.loads(self.manifest_path.read_text())
         except FileNotFoundError:
-            raise DatasetError(f"{self.ref}: no {MANIFEST} at {self.path}; make it with {REMAKE[self.kind]}") from None
+            raise DatasetError(f"{self.ref}: no {MANIFEST} at {self.path}; make it with {REMAKE[self.kind]}", code="NO_MANIFEST", names=self.ref) from None
         except (NotADirectoryError, IsADirectoryError):
-            raise DatasetError(self._in_the_way()) from None
+            raise DatasetError(self._in_the_way(), code="IN_THE_WAY", names=self.ref) from None
         except json.JSONDecodeError as e:
-            raise DatasetError(f"{self.ref}: {self.manifest_path} is not valid JSON ({e}); "
-                               f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
+            raise DatasetError(f"{self.ref}: {self.manifest_path} is not valid JSON (line {e.lineno} column "
+                               f"{e.colno}); {remake_fix(self)}", code="MANIFEST_NOT_JSON", names=str(self.manifest_path)) from None
         except UnicodeDecodeError:
             raise DatasetError(f"{self.ref}: {self.manifest_path} is not UTF-8 text; "
-                               f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}") from None
+                               f"delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}", code="MANIFEST_NOT_UTF8", names=str(self.manifest_path)) from None
         if not isinstance(manifest, dict):
             raise DatasetError(f"{self.ref}: {self.manifest_path} holds a JSON {json_type(manifest)}, not an "
-                               f"object; delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}")
+                               f"object; delete it with `eyas-data rm {self.ref}` and rerun {REMAKE[self.kind]}", code="MANIFEST_NOT_OBJECT", names=str(self.manifest_path))
         if check and "files" in manifest and (problem := files_problem(manifest["files"])):
-            raise DatasetError(f"{self.ref}: {self.manifest_path}: {problem}; {remake_fix(self)}")
+            raise DatasetError(f"{self.ref}: {self.manifest_path}: {problem}; {remake_fix(self)}", code="MANIFEST_FILES", names=str(self.manifest_path))
         return manifest
 
     def write_manifest(self, manifest: dict[str, Any]) -> None:
@@ -206,10 +206,10 @@ def raise_write_error(path: Path, e: OSError) -> NoReturn:
         free = shutil.disk_usage(path.parent).free if path.parent.exists() else 0
         raise DatasetError(f"disk full while writing {path} ({human_bytes(free)} free on its volume): free space "
                            f"or point EYAS_DATA at a larger volume, then rerun the same command; finished files are "
-                           f"kept") from e
+                           f"kept", code="DISK_FULL", names=str(path)) from e
     if e.errno == errno.EROFS:
         raise DatasetError(f"cannot write {path}: its volume is read-only; point EYAS_DATA (or the path) at a "
-                           f"writable one") from e
+                           f"writable one", code="READ_ONLY", names=str(path)) from e
     raise e
 
 
@@ -374,7 +374,7 @@ def iter_jsonl_at(path: Path, *, torn_end_ok: bool = False, fix: str = "") -> It
 def _malformed(path: Path, lineno: int, line: bytes, e: Exception, fix: str) -> DatasetError:
     where = f" at column {e.colno}" if isinstance(e, json.JSONDecodeError) else ""
     what = e.msg if isinstance(e, json.JSONDecodeError) else "not UTF-8"
-    return DatasetError(f"{path}:{lineno}: malformed JSON record ({what}{where}){'; ' + fix if fix else ''}")
+    return DatasetError(f"{path}:{lineno}: malformed JSON ({what}{where}){'; ' + fix if fix else ''}", code="MALFORMED_JSONL", names=f"{path}:{lineno}")
 
 
 def _jsonl_line(record: dict[str, Any]) -> bytes:
@@ -439,7 +439,7 @@ class JsonlTail:
         with open(self.path, "rb") as f:
             if os.fstat(f.fileno()).st_size < self.pos:
                 raise DatasetError(f"{self.path}: shrank below the {self.pos} bytes already read (replaced or cut "
-                                   f"by hand while being read){'; ' + self.fix if self.fix else ''}")
+                                   f"by hand while being read){'; ' + self.fix if self.fix else ''}", code="JSONL_SHRANK", names=str(self.path))
             f.seek(self.pos)
             data = f.read()
         records = []
@@ -519,7 +519,7 @@ def add_producer(ds: Dataset, manifest: dict[str, Any], stage: str, *, allow_cod
     if producers and me["git"] not in before and not allow_code_change:
         raise DatasetError(f"{ds.ref} was written by code version {', '.join(sorted(map(str, before)))}, this is "
                            f"{me['git']}: mixing outputs of two versions in one dataset is refused. Resume with the "
-                           f"version that started it, pick another --name, or pass --allow-code-change")
+                           f"version that started it, pick another --name, or pass --allow-code-change", code="CODE_CHANGED", names=ds.ref)
     producers.append(me | {"started": now_iso()})
 
 
@@ -584,20 +584,20 @@ def open_output(ds: Dataset, *, stage: str, params: dict[str, Any], may_change: 
                                                                      for p in ds.path.rglob("*")))
         if leftovers:
             raise DatasetError(f"{ds.ref}: {ds.path} holds files but no {MANIFEST}; delete it "
-                               f"(`eyas-data rm {ds.ref}`) or pick another --name")
+                               f"(`eyas-data rm {ds.ref}`) or pick another --name", code="LEFTOVER_FILES", names=ds.ref)
         return new_manifest(ds.kind, stage=stage, target=target, inputs=inputs, params=params)
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
     done = manifest.get("status") == "complete"
     if done and complete == "refuse":
         raise DatasetError(f"{ds.ref} is already complete; choose another --name, or delete it with "
-                           f"`eyas-data rm {ds.ref}` and rerun {REMAKE[ds.kind]}")
+                           f"`eyas-data rm {ds.ref}` and rerun {REMAKE[ds.kind]}", code="ALREADY_COMPLETE", names=ds.ref)
     if not (done or resume):
         return new_manifest(ds.kind, stage=stage, target=target, inputs=inputs, params=params)
     if (manifest.get("inputs") or []) != inputs:
         raise DatasetError(f"{ds.ref} was started from {[i.get('ref') for i in manifest.get('inputs') or []]}, not "
                            f"from {[i['ref'] for i in inputs]} as they are now (an input's manifest changed since); "
-                           f"delete it (`eyas-data rm {ds.ref}`) or pick another --name")
+                           f"delete it (`eyas-data rm {ds.ref}`) or pick another --name", code="INPUTS_CHANGED", names=ds.ref)
     check_target(ds, manifest, target or {})
     changed = changed_params(manifest.get("params", {}) if made_with is None else made_with, params,
                              may_change=may_change)
@@ -605,7 +605,7 @@ def open_output(ds: Dataset, *, stage: str, params: dict[str, Any], may_change: 
         empty = not done and not holds_work(ds)
         raise DatasetError(f"{ds.ref} was made with {', '.join(changed)}; " + (
             f"nothing is in it yet: delete it (`eyas-data rm {ds.ref} --yes`) and rerun with the new options, or "
-            f"resume it with the old ones" if empty else fix))
+            f"resume it with the old ones" if empty else fix), code="PARAMS_CHANGED", names=ds.ref)
     if done and complete == "keep":
         return manifest
     add_producer(ds, manifest, stage, allow_code_change=allow_code_change)
@@ -627,8 +627,7 @@ def files_problem(files: Any) -> str | None:
         for key, kind in FILE_ENTRY.items():
             if type(entry.get(key)) is not kind:  # exact: a JSON true is no byte count
                 found = f"is a JSON {json_type(entry[key])}" if key in entry else "is missing"
-                return (f"`files[{i}].{key}` {found}, expected a {json_type(kind())} "
-                        f"(every file is listed with its name, bytes and sha256)")
+                return f"`files[{i}].{key}` {found}, expected a {json_type(kind())}"
     return None
 
 
@@ -666,10 +665,10 @@ def check_schema(ds: Dataset, manifest: dict[str, Any]) -> None:
     expected = f"eyas.{ds.kind}"
     if kind != expected or not ver.isdigit():
         raise DatasetError(f"{ds.ref}: schema {schema!r} is not a {expected} dataset; "
-                           f"delete it (`eyas-data rm {ds.ref}`) and rerun {REMAKE[ds.kind]}")
+                           f"delete it (`eyas-data rm {ds.ref}`) and rerun {REMAKE[ds.kind]}", code="WRONG_SCHEMA", names=ds.ref)
     if int(ver) != SCHEMAS[ds.kind]:
         raise DatasetError(f"{ds.ref}: schema {schema!r}, but this eyas reads {expected}/{SCHEMAS[ds.kind]}; "
-                           f"use the eyas version that wrote it, or rerun {REMAKE[ds.kind]} with this one")
+                           f"use the eyas version that wrote it, or rerun {REMAKE[ds.kind]} with this one", code="SCHEMA_VERSION", names=ds.ref)
 
 
 def check_complete(ds: Dataset, manifest: dict[str, Any], *, allow_partial: bool = False) -> None:
@@ -678,14 +677,14 @@ def check_complete(ds: Dataset, manifest: dict[str, Any], *, allow_partial: bool
     status = manifest.get("status")
     if status not in ("partial", "complete"):
         has = "no status" if status is None else f"status {status!r}"
-        raise DatasetError(f"{ds.ref}: {ds.manifest_path} has {has}, which no eyas stage writes "
-                           f"('partial' while it runs, then 'complete'): it was edited; {remake_fix(ds)}")
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path} has {has}, which no eyas stage writes: it was "
+                           f"edited; {remake_fix(ds)}", code="BAD_STATUS", names=ds.ref)
     if status == "partial" and not allow_partial:
         raise DatasetError(f"{ds.ref}: status is 'partial', not 'complete' (its producer stopped before the "
-                           f"end); rerun {REMAKE[ds.kind]} with the same name to finish it")
+                           f"end); rerun {REMAKE[ds.kind]} with the same name to finish it", code="PARTIAL", names=ds.ref)
     if status == "complete" and "files" not in manifest:
-        raise DatasetError(f"{ds.ref}: {ds.manifest_path} is complete but has no `files` to check its data "
-                           f"against: it was edited; {remake_fix(ds)}")
+        raise DatasetError(f"{ds.ref}: {ds.manifest_path} is complete but lists no `files`: it was "
+                           f"edited; {remake_fix(ds)}", code="NO_FILES_LIST", names=ds.ref)
 
 
 def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path | None = None
@@ -693,8 +692,8 @@ def open_input(ref: str, kind: str, *, allow_partial: bool = False, root: Path |
     """Open a dataset a stage consumes; refuse anything unknown, partial or malformed."""
     ds = Dataset.parse(ref, kind, root)
     if not ds.path.is_dir():
-        raise DatasetError(f"{ds.ref}: no dataset at {ds.path}; make it with {REMAKE[kind]} "
-                           f"or check EYAS_DATA (now {ds.root})")
+        raise DatasetError(f"{ds.ref}: not under EYAS_DATA={ds.root}; make it with {REMAKE[kind]}, or point "
+                           f"EYAS_DATA at the data root that holds it", code="NO_DATASET", names=ds.ref)
     manifest = ds.read_manifest()
     check_schema(ds, manifest)
     check_complete(ds, manifest, allow_partial=allow_partial)
@@ -718,17 +717,16 @@ def check_target(ds: Dataset, manifest: dict[str, Any], fingerprint: dict[str, A
     made = manifest.get("target") or {}
     if not isinstance(made, dict):  # a hand-edited manifest: name it, rather than fail on made.get
         raise DatasetError(f"{ds.ref}: {ds.manifest_path}: `target` is a JSON {json_type(made)}, expected the "
-                           f"target's fingerprint (an object); it was edited; {remake_fix(ds)}")
+                           f"target's fingerprint (an object); it was edited; {remake_fix(ds)}", code="BAD_TARGET", names=ds.ref)
     for key, what in (("tokenizer_sha256", "tokenizer"), ("chat_template_sha256", "chat template")):
         if fingerprint.get(key) and not made.get(key):  # every stage records both: edited, or another tool's
-            raise DatasetError(f"{ds.ref}: {ds.manifest_path} records no `target.{key}`, so nothing shows which "
-                               f"target it was made for; {remake_fix(ds)}")
+            raise DatasetError(f"{ds.ref}: {ds.manifest_path} records no `target.{key}` (the target that made "
+                               f"it); {remake_fix(ds)}", code="NO_TARGET_HASH", names=ds.ref)
         if made.get(key) != fingerprint.get(key):
             raise DatasetError(
-                f"{ds.ref}: the {what} loaded from {fingerprint.get('model')} does not match the one the "
-                f"dataset was made with ({made.get('model')}; {key} {str(made.get(key))[:12]} vs "
-                f"{str(fingerprint.get(key))[:12]}). Load the dataset's target with --model, or remake "
-                f"the dataset for this target with {REMAKE['synth']}")
+                f"{ds.ref}: the {what} of {fingerprint.get('model')} is not the one it was made with (that of "
+                f"{Path(str(made.get('model'))).name}); pass that target as --model", code="TARGET_MISMATCH",
+                names=ds.ref)
 
 
 def verify(ds: Dataset) -> list[str]:
@@ -774,8 +772,8 @@ def check_intact(ds: Dataset, manifest: dict[str, Any], names: set[str] | None =
     check_complete(ds, manifest)
     if problems := file_problems(ds, manifest, names):
         more = f" (and {len(problems) - 3} more)" if len(problems) > 3 else ""
-        raise DatasetError(f"{ds.ref}: {'; '.join(problems[:3])}{more}: its files changed after it was finished; "
-                           f"restore them, or {remake_fix(ds)}")
+        raise DatasetError(f"{ds.ref}: {'; '.join(problems[:3])}{more}: changed after it was finished; "
+                           f"restore it, or {remake_fix(ds)}", code="FILES_CHANGED", names=ds.ref)
 
 
 def list_datasets(root: Path | None = None) -> list[tuple[Dataset, dict[str, Any] | None]]:

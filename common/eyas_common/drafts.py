@@ -150,10 +150,21 @@ def draft_method(folder: Path) -> str:
     return "dflash" if arch == [DFLASH_ARCHITECTURE] else "eagle3"
 
 
+# Methods whose format fixes the draft tokens of a step (a DFlash block: the anchor + block_size - 1 masked
+# slots its training filled); any other method's K is the server's choice.
+_FIXED_SPEC_TOKENS = {"dflash": lambda config: int(config["block_size"]) - 1}
+
+
+def fixed_spec_tokens(folder: Path) -> int | None:
+    """The draft tokens per step the draft's own format fixes, or None where the server picks K (EAGLE-3)."""
+    rule = _FIXED_SPEC_TOKENS.get(draft_method(folder))
+    return None if rule is None else rule(read_config(folder))
+
+
 def served_spec_tokens(folder: Path, eagle3: int = 3) -> int:
-    """Draft tokens per step a draft is measured at: a DFlash draft its block size - 1 (the block its training
-    filled; vLLM runs K + 1 queries), an EAGLE-3 draft `eagle3`."""
-    return int(read_config(folder)["block_size"]) - 1 if draft_method(folder) == "dflash" else eagle3
+    """Draft tokens per step a draft is measured at: what its format fixes (fixed_spec_tokens), else `eagle3`."""
+    fixed = fixed_spec_tokens(folder)
+    return eagle3 if fixed is None else fixed
 
 
 # ------------------------------------------------------------------------------------------------

@@ -37,11 +37,10 @@ def dflash_layers(num_layers: int, count: int = DFLASH_FEATURE_LAYERS) -> list[i
 
 def default_layers(method: str, num_layers: int) -> list[int]:
     """The aux ids a draft of `method` reads by default from a target of `num_layers` decoder layers."""
-    if method == "eagle3":
-        return eagle3_layers(num_layers)
-    if method == "dflash":
-        return dflash_layers(num_layers)
-    raise ValueError(f"unknown draft method {method!r}; known: {', '.join(METHODS)}")
+    rule = {"eagle3": eagle3_layers, "dflash": dflash_layers}.get(method)
+    if rule is None:
+        raise ValueError(f"unknown draft method {method!r}; known: {', '.join(METHODS)}")
+    return rule(num_layers)
 
 
 def to_dflash_ids(aux_ids: list[int]) -> list[int]:

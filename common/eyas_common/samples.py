@@ -147,14 +147,12 @@ class SampleLine:
 def bad_line_fix(ds: Dataset, manifest: dict[str, Any]) -> str:
     """What to do about an unreadable line of a synth file (malformed JSON, no id): the fix its refusal names."""
     if manifest.get("status") == "complete":
-        return f"{ds.ref} was edited after it was finished; {remake_fix(ds)}"
+        return f"edited once finished; {remake_fix(ds)}"
     # synth appends whole lines; a kill tears only the last one, which the next run cuts (repair_jsonl)
-    return (f"only the last line of a killed run can be torn, and the next run cuts it: this one was written by "
-            f"something else. Delete that line (its sample is asked for again) and rerun, or {remake_fix(ds)}")
+    return "not a killed run's torn last line: delete that line and rerun (its sample is asked for again)"
 
 
-CORRUPTED = (f"the synth dataset is corrupted: check it with `eyas-data verify`, then remake it with "
-             f"{REMAKE['synth']}")
+CORRUPTED = f"corrupted: `eyas-data verify` it, then remake it with {REMAKE['synth']}"
 
 
 def sample_line(path: Path, lineno: int, pos: int, rec: Any, *, vocab_size: int, seen: set[int]) -> SampleLine:
@@ -165,7 +163,7 @@ def sample_line(path: Path, lineno: int, pos: int, rec: Any, *, vocab_size: int,
         problems = [f"sample id {rec['id']} appears twice"]
     if problems:
         raise DatasetError(f"{path}:{lineno}: {problems[0]}; the synth dataset is invalid: run `eyas-synth "
-                           f"validate` on it and remake it with {REMAKE['synth']}")
+                           f"validate` on it and remake it with {REMAKE['synth']}", code="BAD_SAMPLE", names=f"{path}:{lineno}")
     seen.add(rec["id"])
     return SampleLine(rec["id"], len(rec["input_ids"]), sum(rec["loss_mask"]), pos)
 
@@ -177,7 +175,7 @@ def index_samples(path: Path, vocab_size: int) -> list[SampleLine]:
     refs = [sample_line(path, lineno, pos, rec, vocab_size=vocab_size, seen=seen)
             for lineno, pos, rec in iter_jsonl_at(path, fix=CORRUPTED)]
     if not refs:
-        raise DatasetError(f"{path}: no samples; remake the synth dataset with {REMAKE['synth']}")
+        raise DatasetError(f"{path}: no samples; remake the synth dataset with {REMAKE['synth']}", code="NO_SAMPLES", names=str(path))
     return sorted(refs, key=lambda r: r.id)
 
 
@@ -189,7 +187,7 @@ def read_tokens(path: Path, refs: list[SampleLine]) -> list[tuple[list[int], lis
             f.seek(r.pos)
             rec = json.loads(f.readline())
             if rec.get("id") != r.id:
-                raise DatasetError(f"{path}: changed while being read (sample {r.id} moved); rerun")
+                raise DatasetError(f"{path}: changed while being read (sample {r.id} moved); rerun", code="SAMPLES_MOVED", names=str(path))
             out.append((rec["input_ids"], rec["loss_mask"]))
     return out
 
@@ -234,7 +232,7 @@ class SynthTail:
                     line = sample_line(tail.path, lineno, pos, rec, vocab_size=self.vocab_size, seen=self.seen)
                     self.present[line.id] = line
                 elif not isinstance(rec, dict) or not isinstance(rec.get("id"), int):
-                    raise DatasetError(f"{tail.path}:{lineno}: a record without an integer id; {CORRUPTED}")
+                    raise DatasetError(f"{tail.path}:{lineno}: a record without an integer id; {CORRUPTED}", code="BAD_SAMPLE", names=f"{tail.path}:{lineno}")
                 sid = rec["id"]
                 if sid >= self.prefix:
                     self.decided.add(sid)

@@ -29,14 +29,10 @@ from eyas_common.lock import WriterLock
 from eyas_common.procs import run_interruptible, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
 from eyas_common.samples import (ANSWERED, FAILURES, REJECTED, SAMPLES, TRUNCATED, bad_line_fix, budget_count,
-                                 from_server_ids, new_sample, parse_budget, validate_sample)
+                                 from_server_ids, new_sample, validate_sample)
+from eyas_synth.config import MAY_CHANGE, SynthConfig, SynthOptions, check_server_url
 from eyas_synth.client import ChatPool, Failure, RequestFailed, RetryPolicy, ServersDown, report_silence
 
-# Params a resumed run may change (where things are, how hard to push, what to accept); every other
-# param defines what a sample is and must match, including any added later. max_model_len is the server's,
-# not an option: a replacement server may have another, and each sample records where it was cut.
-MAY_CHANGE = ("prompts", "model", "served_model", "servers", "n", "concurrency", "timeout_s", "max_attempts",
-              "allow_missing", "allow_rejected", "breaker_s", "max_model_len")
 # When this many first answers all failed the same way (and none worked), the run stops at once.
 FIRST_FAILURES = 8
 # What the first answers did is printed once this many came; if all of them were rejected, the run stops.
@@ -44,30 +40,6 @@ FIRST_ANSWERS = 8
 # Seconds without any answer (or a quarter of --timeout, if less) before the run says so and asks the
 # servers whether they are still up; then again at twice the silence, four times, ...
 SILENCE_S = 60.0
-
-
-@dataclass
-class SynthConfig:
-    prompts: str                  # prompts file (JSONL messages/conversations, or plain text)
-    prompts_sha256: str           # its content hash: a resume must read the same prompts
-    model: str                    # local path of the target's tokenizer (and weights, for later stages)
-    served_model: str             # model name sent to the server
-    servers: list[str]            # base URLs of OpenAI-compatible servers
-    n: int                        # samples to make (sample i answers prompt i mod #prompts)
-    max_tokens: int               # completion budget per sample, tokens (fitted to the context, below)
-    max_model_len: int | None     # the server's context (prompt + completion), from /v1/models; None: unknown
-    temperature: float            # sent explicitly: servers otherwise apply generation_config defaults
-    top_p: float
-    thinking: bool | None         # the chat-template thinking switch sent; None: none (the template's default)
-    seed: int | None              # per-request seed = seed * 1_000_003 + sample id; None: no seed sent
-    drop_truncated: bool          # length-truncated samples go to truncated.jsonl instead of samples.jsonl
-    concurrency: int              # requests in flight, all servers together
-    timeout_s: float              # per-request timeout, seconds
-    max_attempts: int             # tries per request before it is recorded as failed
-    allow_missing: str            # samples that may be missing at the end: a count (5) or a percentage (0.5%)
-    allow_rejected: str           # answers that may fail validation: a count or a percentage of n
-    breaker_s: float              # stop the run when every server has failed for this long, seconds
-    trust_remote_code: bool = False  # the tokenizer's own code (shipped with the target) was run
 
 
 @dataclass
@@ -264,28 +236,6 @@ def scan(ds: Dataset, manifest: dict[str, Any]) -> tuple[set[int], Counts]:
             c.prompt_tokens += p
             c.completion_tokens += len(rec["input_ids"]) - p
     return done, c
-
-
-def check_server_url(server: str) -> str:
-    """--server as its base URL (http(s)://host[:port][/prefix], a trailing /v1 dropped); a malformed one is refused
-    in one line naming it, before anything is asked of it (httpx's own error says neither which --server nor the fix)."""
-    try:
-        url = httpx.URL(server)
-        scheme, host, path = url.scheme, url.host, url.path
-    except httpx.InvalidURL as e:
-        raise DatasetError(f"--server {server!r} is not a URL ({e}); write it as http://HOST:PORT") from None
-    if scheme not in ("http", "https"):
-        example = f"http://{server}" if "://" not in server else "http://HOST:PORT"
-        raise DatasetError(f"--server {server!r}: {f'scheme {scheme!r}' if '://' in server else 'no scheme'}; write it "
-                           f"as {example} (an OpenAI-compatible server's base URL)")
-    if not host:
-        raise DatasetError(f"--server {server!r}: no host; write it as http://HOST:PORT")
-    base = server.rstrip("/").removesuffix("/v1")
-    for route in ("/chat/completions", "/models"):
-        if path.rstrip("/").endswith(route):
-            raise DatasetError(f"--server {server!r} names a route; pass the server's base URL, "
-                               f"{base[:base.rindex(route)].removesuffix('/v1')}")
-    return base
 
 
 def _models(base: str) -> tuple[list[str], dict[str, int | None]]:
@@ -490,41 +440,29 @@ def _postfix(c: Counts, pool: ChatPool, bar: tqdm) -> str:
             f"failed {c.failed}, rejected {c.rejected}")
 
 
-def run(*, prompts: Path, name: str, model: Path, servers: list[str], n: int | None = None,
-        max_tokens: int = 4096, temperature: float = 0.6, top_p: float = 0.95, thinking: bool | None = None,
-        seed: int | None = None, drop_truncated: bool = False, concurrency: int = 128, timeout_s: float = 600.0,
-        max_attempts: int = 8, served_model: str | None = None, allow_missing: str = "0",
-        allow_rejected: str = "1%", breaker_s: float = 120.0, allow_code_change: bool = False,
-        trust_remote_code: bool = False, data_root: Path | None = None, progress: bool = True) -> dict[str, Any]:
-    """Make (or resume) synth dataset `name`; returns its final stats."""
-    if not servers:
-        raise DatasetError("no --server given: pass the base URL of a running vLLM or SGLang server")
-    for server in servers:  # before the slow part (the tokenizer), and before any request
-        check_server_url(server)
-    for opt, value, low in (("--n", n, 1), ("--concurrency", concurrency, 1), ("--max-tokens", max_tokens, 1),
-                            ("--max-attempts", max_attempts, 1), ("--timeout", timeout_s, 1e-9)):
-        if value is not None and value < low:
-            raise DatasetError(f"{opt} {value}: must be at least {low if low >= 1 else 'above 0'}")
-    for opt, value in (("--allow-missing", allow_missing), ("--allow-rejected", allow_rejected)):
-        try:
-            parse_budget(value)
-        except ValueError as e:
-            raise DatasetError(f"{opt} {e}") from None
-    conversations = load_prompts(prompts)
-    tokenizer = load_tokenizer(model, trust_remote_code)
-    thinking, why = resolve_thinking(tokenizer, thinking)
+def run(options: SynthOptions | None = None, *, data_root: Path | None = None, progress: bool = True,
+        **fields: Any) -> dict[str, Any]:
+    """Make (or resume) synth dataset `options.name`; returns its final stats.
+
+    `options` as the CLI builds them, or their fields as keywords (SynthOptions(**fields)).
+    """
+    o = options if options is not None else SynthOptions(**fields)
+    o.check()  # before the slow part (the tokenizer), and before any request
+    conversations = load_prompts(o.prompts)
+    tokenizer = load_tokenizer(o.model, o.trust_remote_code)
+    thinking, why = resolve_thinking(tokenizer, o.thinking)
     print(f"[synth] thinking: {why}; each answer is split at its token ids", file=sys.stderr)
-    ds = Dataset.parse(name, "synth", data_root)
-    served, context = servers_info(list(servers), served_model)
+    ds = Dataset.parse(o.name, "synth", data_root)
+    served, context = servers_info(list(o.servers), o.served_model)
     cfg = SynthConfig(
-        prompts=str(prompts), prompts_sha256=sha256_file(prompts), model=str(model),
-        served_model=served, servers=list(servers), n=len(conversations) if n is None else n,
-        max_tokens=max_tokens, max_model_len=context, temperature=temperature, top_p=top_p, thinking=thinking,
-        seed=seed, drop_truncated=drop_truncated, concurrency=concurrency, timeout_s=timeout_s,
-        max_attempts=max_attempts, allow_missing=str(allow_missing), allow_rejected=str(allow_rejected),
-        breaker_s=breaker_s, trust_remote_code=trust_remote_code)
+        prompts=str(o.prompts), prompts_sha256=sha256_file(o.prompts), model=str(o.model),
+        served_model=served, servers=list(o.servers), n=len(conversations) if o.n is None else o.n,
+        max_tokens=o.max_tokens, max_model_len=context, temperature=o.temperature, top_p=o.top_p,
+        thinking=thinking, seed=o.seed, drop_truncated=o.drop_truncated, concurrency=o.concurrency,
+        timeout_s=o.timeout_s, max_attempts=o.max_attempts, allow_missing=str(o.allow_missing),
+        allow_rejected=str(o.allow_rejected), breaker_s=o.breaker_s, trust_remote_code=o.trust_remote_code)
     with WriterLock(ds, stage="01_synth"):
-        st = _prepare(ds, cfg, tokenizer, conversations, allow_code_change)
+        st = _prepare(ds, cfg, tokenizer, conversations, o.allow_code_change)
         return _run_and_finish(st, progress)
 
 

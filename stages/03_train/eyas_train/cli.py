@@ -11,6 +11,7 @@ from eyas_common.cli_errors import EyasGroup, Finite
 from eyas_common.methods import METHODS
 from eyas_common.prompts import PROMPTS_HELP
 from eyas_train.config import MAX_TTT_STEPS, TEACHER_TOP, TrainConfig
+from eyas_train.recipe import SAMPLED_FROM, SAMPLED_NEGATIVES
 
 D = TrainConfig.__dataclass_fields__  # defaults shown in --help come from the config itself
 
@@ -30,10 +31,11 @@ def main() -> None:
 @click.option("--ttt-steps", type=click.IntRange(min=1, max=MAX_TTT_STEPS), default=D["ttt_steps"].default,
               help="Unrolled draft steps per position (training-time test); memory grows with it, since every "
                    f"step keeps its activations for the backward pass (at most {MAX_TTT_STEPS}).")
-@click.option("--head-negatives", type=click.IntRange(min=0), default=D["head_negatives"].default, show_default=True,
+@click.option("--head-negatives", type=click.IntRange(min=0), default=None,
               help=f"EAGLE-3 training steps: the lm_head's loss over each row's {TEACHER_TOP} likeliest teacher tokens plus this "
                    "many drawn columns per chunk of rows, not the whole draft vocabulary; 0: exact. Validation "
-                   "stays exact.")
+                   f"stays exact.  [default: {SAMPLED_NEGATIVES} on a draft vocabulary of {SAMPLED_FROM:,} tokens or "
+                   "more, else 0]")
 @click.option("--step-decay", type=Finite(0, 1, min_open=True), default=D["step_decay"].default, help="Loss weight of TTT step k is DECAY**k.")
 @click.option("--epochs", type=Finite(min=0), default=None,
               help="Passes over the training samples (may be fractional); 0 exports the untrained draft. "

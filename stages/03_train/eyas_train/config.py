@@ -25,9 +25,10 @@ class TrainConfig:
     model: str                      # target folder: tokenizer, config, embedding and lm_head are read from it
     name: str                       # output dataset, drafts/NAME
     draft_vocab: int = 32000        # draft vocabulary: most frequent loss-masked tokens (capped at the target's)
-    ttt_steps: int = 7              # unrolled draft steps per sample (training-time test)
+    ttt_steps: int = 4              # unrolled draft steps per sample (training-time test): served K 3, plus one
     step_decay: float = 0.8         # loss weight of step k is step_decay**k
-    head_negatives: int = 0         # sampled head: columns drawn per chunk besides the teacher's top (ttt.py); 0: exact
+    head_negatives: int | None = None  # sampled head: columns drawn per chunk besides the teacher's top (ttt.py);
+                                    # 0: exact; None: recipe.head_negatives (sampled on large draft vocabularies)
     # None below: resolved from the data by recipe.py (the rule and its evidence: stages/03_train/README.md);
     # the resolved values are in the draft's manifest (params.recipe).
     epochs: float | None = None     # passes over the training samples; 0 exports the untrained draft
@@ -82,3 +83,20 @@ class TrainConfig:
         """A config an earlier run saved (in a checkpoint), with the default of each field added since: what
         that run used."""
         return cls.defaults() | saved
+
+
+@dataclass(frozen=True)
+class EvalOptions:
+    """What `eyas-train eval` is asked: the draft's acceptance offline, the target in transformers."""
+
+    draft: str                      # drafts/NAME
+    model: str                      # target folder
+    prompts: str                    # held-out prompts file
+    spec_tokens: int | None = None  # draft tokens per step; None: the draft's own (EAGLE-3 3, DFlash block - 1)
+    max_tokens: int = 256           # completion budget per prompt, tokens
+    thinking: bool | None = None    # the template's thinking switch; None: decided from the target
+    limit: int | None = None        # first prompts only; None: all
+    dtype: str = "auto"             # auto: bf16 on GPU, fp32 on CPU (the serving dtype, for agreement)
+    device_map: str | None = None   # transformers device_map; None: auto on GPU
+    trust_remote_code: bool = False
+    out: str | None = None          # also write the result as JSON here

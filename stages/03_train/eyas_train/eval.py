@@ -33,6 +33,7 @@ from eyas_common.checkpoint import read_checkpoint_size, read_text_config
 from eyas_common.contract import DatasetError, check_target, open_input, temp_path, write_json_atomic
 from eyas_common.prompts import load_prompts
 from eyas_common.drafts import check_folder, draft_method, served_spec_tokens
+from eyas_train.config import EvalOptions
 from eyas_train.methods import REGISTRY
 from eyas_train.methods.base import TrainMethod
 
@@ -135,13 +136,13 @@ def _render_prompts(tok: Any, prompts: Path, thinking: bool, limit: int | None) 
     return out
 
 
-def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int | None = None, max_tokens: int = 256,
-             thinking: bool | None = None, limit: int | None = None, dtype: str = "auto", device_map: str | None = None,
-             trust_remote_code: bool = False, out: Path | None = None,
-             data_root: Path | None = None) -> dict[str, Any]:
-    """Acceptance of drafts/NAME on the prompts of PROMPTS with the target at MODEL, both in `dtype` (the
-    serving dtype, for agreement with a server; auto: bf16 on GPU, fp32 on CPU), spread over the GPUs
-    when there are any (device_map auto). `spec_tokens` None: the draft's own (EAGLE-3 3, DFlash block size - 1)."""
+def evaluate(options: EvalOptions | None = None, *, data_root: Path | None = None, **fields: Any) -> dict[str, Any]:
+    """Acceptance of drafts/NAME on the prompts with the target, both in `dtype` (the serving dtype, for agreement
+    with a server), spread over the GPUs when there are any (device_map auto). `options` as the CLI builds
+    them, or their fields as keywords (EvalOptions(**fields))."""
+    o = options if options is not None else EvalOptions(**fields)
+    draft, model, prompts, out, device_map = o.draft, o.model, Path(o.prompts), o.out, o.device_map
+    spec_tokens, max_tokens, trust_remote_code = o.spec_tokens, o.max_tokens, o.trust_remote_code
     from transformers import AutoModelForCausalLM
 
     t0 = time.monotonic()
@@ -155,10 +156,10 @@ def evaluate(*, draft: str, model: str | Path, prompts: Path, spec_tokens: int |
         check_writable(Path(out))
     tok = load_tokenizer(model, trust_remote_code)
     check_target(ds, manifest, target_fingerprint(tok, model))
-    thinking, _ = resolve_thinking(tok, thinking)
-    rendered = _render_prompts(tok, prompts, thinking, limit)  # before the target is loaded
+    thinking, _ = resolve_thinking(tok, o.thinking)
+    rendered = _render_prompts(tok, prompts, thinking, o.limit)  # before the target is loaded
     cuda = torch.cuda.is_available()
-    dtype = ("bfloat16" if cuda else "float32") if dtype == "auto" else dtype
+    dtype = ("bfloat16" if cuda else "float32") if o.dtype == "auto" else o.dtype
     print(f"[eyas-train eval] {memory_check(model, dtype, cuda)}", file=sys.stderr, flush=True)
     method = draft_method(ds.path)
     spec_tokens = served_spec_tokens(ds.path) if spec_tokens is None else spec_tokens

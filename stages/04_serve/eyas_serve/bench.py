@@ -20,7 +20,7 @@ from eyas_common.contract import Dataset, sha256_file
 from eyas_common.lock import WriterLock
 from eyas_common.procs import run_interruptible, sigterm_as_interrupt
 from eyas_common.prompts import load_prompts
-from eyas_serve.config import BenchConfig
+from eyas_serve.config import BenchConfig, BenchOptions
 from eyas_serve.load import replay, served_model
 from eyas_serve.metrics import SpecCounters, detect_engine, read_sglang, read_vllm
 from eyas_serve.plot import plot_results
@@ -120,22 +120,24 @@ def _say_level(level: dict[str, Any]) -> None:
     say(msg)
 
 
-def run(*, server: str, prompts: Path, name: str, baseline: str | None = None, draft: str | None = None,
-        concurrency: tuple[int, ...] = (1, 4, 16), num_prompts: int = 0, max_tokens: int = 256,
-        temperature: float = 0.0, timeout_s: float = 600.0, warmup: int = 2, engine: str | None = None,
-        data_root: Path | None = None) -> dict[str, Any]:
-    """Measure, write bench/NAME (results.json, bench.png, manifest) and return the results."""
-    conversations = load_prompts(prompts)  # refuses an unusable file naming its line
-    prompts = Path(prompts).absolute()  # recorded as a path that reads the same from any working directory
+def run(options: BenchOptions | None = None, *, data_root: Path | None = None, **fields: Any) -> dict[str, Any]:
+    """Measure, write bench/NAME (results.json, bench.png, manifest) and return the results.
+
+    `options` as the CLI builds them, or their fields as keywords (BenchOptions(**fields)).
+    """
+    o = options if options is not None else BenchOptions(**fields)
+    server, baseline, name, draft = o.server, o.baseline, o.name, o.draft
+    conversations = load_prompts(o.prompts)  # refuses an unusable file naming its line
+    prompts = Path(o.prompts).absolute()  # recorded as a path that reads the same from any working directory
     if baseline is not None and baseline.rstrip("/") == server.rstrip("/"):
         raise click.UsageError(f"--baseline {baseline} is the --server itself: the speedup needs the same target "
                                f"served without a draft, on another port (`eyas-serve launch --model T --port ...`)")
     cfg = BenchConfig(name=name, server=server, prompts=str(prompts), prompts_sha256=sha256_file(prompts),
-                      baseline=baseline, draft=draft, concurrency=tuple(concurrency), num_prompts=num_prompts,
-                      max_tokens=max_tokens, temperature=temperature, timeout_s=timeout_s, warmup=warmup)
-    work = [conversations[i % len(conversations)] for i in range(num_prompts or len(conversations))]
+                      baseline=baseline, draft=draft, concurrency=tuple(o.concurrency), num_prompts=o.num_prompts,
+                      max_tokens=o.max_tokens, temperature=o.temperature, timeout_s=o.timeout_s, warmup=o.warmup)
+    work = [conversations[i % len(conversations)] for i in range(o.num_prompts or len(conversations))]
     check_start(name, draft=draft, params=cfg.to_dict(), root=data_root)  # the datasets first: no server asked
-    target, base = Server(server, engine), (Server(baseline, engine) if baseline else None)
+    target, base = Server(server, o.engine), (Server(baseline, o.engine) if baseline else None)
     # one writer per bench/NAME; SIGTERM (docker stop) stops a run as Ctrl-C does: partial, never results
     with sigterm_as_interrupt(), WriterLock(Dataset.parse(name, "bench", data_root), stage=STAGE):
         out, manifest = start(name, draft=draft, params=cfg.to_dict(), root=data_root)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 ENGINES = ("vllm", "sglang")
@@ -31,6 +32,24 @@ class LaunchConfig:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class BenchOptions:
+    """What `eyas-serve bench` is asked; `bench.run` checks them and records a BenchConfig."""
+
+    server: str                      # URL of target + draft
+    prompts: Path                    # held-out prompts file
+    name: str                        # output dataset bench/NAME
+    baseline: str | None = None      # URL of the same target served alone; None: no speedup
+    draft: str | None = None         # drafts/NAME the server runs (lineage)
+    concurrency: tuple[int, ...] = (1, 4, 16)
+    num_prompts: int = 0
+    max_tokens: int = 256
+    temperature: float = 0.0
+    timeout_s: float = 600.0
+    warmup: int = 2
+    engine: str | None = None        # of both servers; None: detected
 
 
 @dataclass(frozen=True)

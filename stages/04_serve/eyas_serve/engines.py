@@ -19,7 +19,7 @@ import os
 import sys
 from pathlib import Path
 
-from eyas_common.drafts import draft_method, served_spec_tokens
+from eyas_common.drafts import draft_method, fixed_spec_tokens, served_spec_tokens
 from eyas_common.paths import cache_root
 from eyas_serve.config import LaunchConfig
 
@@ -100,14 +100,18 @@ def vllm_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
     return ["--speculative-config", json.dumps(speculative_config(draft_dir, draft_spec_tokens(cfg, draft_dir)))]
 
 
+SGLANG_ALGORITHM = {"eagle3": "EAGLE3", "dflash": "DFLASH"}
+
+
 def sglang_draft_args(cfg: LaunchConfig, draft_dir: Path) -> list[str]:
-    if draft_method(draft_dir) == "dflash":
-        # SGLang drafts the config's block_size - 1 tokens a block; it has no per-request K for DFlash.
-        return ["--speculative-algorithm", "DFLASH", "--speculative-draft-model-path", str(draft_dir)]
+    args = ["--speculative-algorithm", SGLANG_ALGORITHM[draft_method(draft_dir)],
+            "--speculative-draft-model-path", str(draft_dir)]
+    if fixed_spec_tokens(draft_dir) is not None:
+        return args  # SGLang drafts a DFlash config's block_size - 1 tokens a block; it takes no per-request K
     # A chain (top-k 1) of K draft steps verifies K + 1 tokens: the same speculation vLLM runs.
     k = draft_spec_tokens(cfg, draft_dir)
-    return ["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", str(draft_dir),
-            "--speculative-num-steps", str(k), "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", str(k + 1)]
+    return args + ["--speculative-num-steps", str(k), "--speculative-eagle-topk", "1",
+                   "--speculative-num-draft-tokens", str(k + 1)]
 
 
 def speculation_args(cfg: LaunchConfig, draft_dir: Path | None) -> list[str]:

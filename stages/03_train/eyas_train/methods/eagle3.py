@@ -16,7 +16,7 @@ from eyas_train.export import load_draft, write_draft
 from eyas_train.init_draft import check_fits, init_vocab, load_into, read_init_draft, run_config
 from eyas_train.methods.base import Built, Inputs, validation_record
 from eyas_train.model import DraftConfig, Eagle3Draft
-from eyas_train.recipe import replay_acceptance
+from eyas_train.recipe import head_negatives, replay_acceptance
 from eyas_train.target import Teacher, attention_shape, load_embedding, load_lm_head, load_weight
 from eyas_train.ttt import ChainAttention, UnrolledLoss, step_counts
 from eyas_train.vocab import VocabMap, build_vocab
@@ -95,7 +95,11 @@ class Eagle3:
         if init is not None:
             load_into(draft, init, vocab)  # a resumed run then loads its checkpoint over it
         teacher = Teacher(vocab, lm_head if x.shards.teacher == "final" else None, x.d.device)
-        loss = UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay, negatives=cfg.head_negatives)
+        negatives = head_negatives(cfg.head_negatives, vocab.d2t.numel())
+        if x.d.main and cfg.head_negatives is None:
+            x.say(f"head: {f'sampled, {negatives} drawn columns' if negatives else 'exact'} on a "
+                  f"{vocab.d2t.numel():,}-token draft vocabulary (--head-negatives sets it)")
+        loss = UnrolledLoss(draft, cfg.ttt_steps, cfg.step_decay, negatives=negatives)
         return Built(parallel.wrap(loss.to(x.d.device), x.d, cfg.parallel), vocab, dcfg, cls(cfg, teacher))
 
     def forward(self, s: Any, batch: dict[str, torch.Tensor], leads: list[torch.Tensor] | None = None,
